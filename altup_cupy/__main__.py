@@ -1,0 +1,156 @@
+"""python -m altup_cupy {bench,check,figures}: benchmark, verify, and regenerate figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .bench import RESULTS_DIR, REPO_ROOT
+from .workloads import OPS, SUITES
+
+FIGURES_DIR = REPO_ROOT / "figures"
+README = REPO_ROOT / "README.md"
+
+
+def gpu_status() -> tuple[bool, str]:
+    """(usable, why not): the kernels need CuPy and torch both seeing a CUDA device."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # ImportError, or CUDARuntimeError without a driver
+        return False, f"CuPy cannot reach a CUDA GPU ({type(error).__name__}: {error})"
+    if count == 0:
+        return False, "CuPy sees no CUDA device"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "torch has no CUDA support here (the benchmark's baselines need it)"
+    return True, ""
+
+
+def _selected(value: str, choices: tuple[str, ...]) -> tuple[str, ...]:
+    return choices if value == "all" else (value,)
+
+
+def _regenerate(results_dir: Path, figures_dir: Path, readme: Path | None) -> None:
+    from . import figures, report
+
+    for path in figures.regenerate(results_dir, figures_dir):
+        print(f"wrote {path}")
+    if readme is not None and readme.exists():
+        report.update_readme(readme, results_dir)
+        print(f"updated the results table in {readme}")
+
+
+def cmd_bench(args) -> int:
+    from . import report
+
+    usable, why = gpu_status()
+    if not usable:
+        print(f"No GPU: {why}.\nNot measuring. Replaying the recorded results from {args.results_dir}:\n")
+        print(report.markdown_tables(args.results_dir))
+        _regenerate(args.results_dir, args.figures_dir, None)
+        return 0
+    from . import bench
+    from .benchmarks import op_bench
+    from .workloads import workloads
+
+    for op in _selected(args.op, OPS):
+        for suite in _selected(args.suite, SUITES):
+            chosen = workloads(op, suite)[: args.limit] if args.limit else workloads(op, suite)
+            rows = bench.measure(op_bench(op), chosen, suite, reps=args.reps, warmup=args.warmup)
+            path = bench.csv_path(op, suite, args.results_dir)
+            bench.write_csv(rows, path)
+            print(f"wrote {path}")
+    print(report.markdown_tables(args.results_dir))
+    _regenerate(args.results_dir, args.figures_dir, README if args.update_readme else None)
+    return 0
+
+
+def cmd_check(args) -> int:
+    from ._build import compile_offline
+    from .collapse import SOURCE as COLLAPSE_SOURCE
+    from .predict_correct import SOURCE as BACKWARD_SOURCE
+
+    failed = 0
+    usable, why = gpu_status()
+    if not usable:
+        print(f"No GPU: {why}. Checking what needs none: every kernel source compiles for sm_90.")
+        for source in (COLLAPSE_SOURCE, BACKWARD_SOURCE):
+            build = compile_offline(source)
+            for k in build.kernels:
+                bad = k.spill_store_bytes or k.spill_load_bytes or k.stack_frame_bytes
+                failed += bool(bad)
+                print(f"{'FAIL' if bad else 'ok  '} {source.filename:24s} {k.registers:4d} regs  "
+                      f"stack {k.stack_frame_bytes} B  spills {k.spill_store_bytes}/{k.spill_load_bytes} B  {k.name}")
+        return 1 if failed else 0
+
+    from .benchmarks import op_bench
+    from .check import verify
+    from .workloads import workloads
+
+    print(f"{'op':26s} {'workload':22s} {'impl':14s} {'output':28s} {'matched':>9s} {'rel_l2':>9s} "
+          f"{'fp32 torch':>10s}  verdict")
+    for op in _selected(args.op, OPS):
+        bench = op_bench(op)
+        impls = [i.name for i in bench.impls(workloads(op)[0]) if i.name.startswith("altup_cupy")]
+        for suite in _selected(args.suite, SUITES):
+            for i, w in enumerate(workloads(op, suite)):
+                for round_ in range(args.rounds):
+                    for c in verify(bench, w, args.seed + 1000 * round_ + i, impls):
+                        failed += not c.passed
+                        print(f"{op:26s} {w.label:22s} {c.impl:14s} {c.output:28s} {c.match_ratio:9.5f} "
+                              f"{c.rel_l2:9.2e} {c.oracle_rel_l2:10.2e}  {'ok' if c.passed else 'FAIL'}")
+    print("all checks passed" if not failed else f"{failed} checks FAILED")
+    return 1 if failed else 0
+
+
+def cmd_figures(args) -> int:
+    _regenerate(args.results_dir, args.figures_dir, README if args.update_readme else None)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m altup_cupy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="CSV folder (default: %(default)s)")
+        p.add_argument("--figures-dir", type=Path, default=FIGURES_DIR, help="PNG folder (default: %(default)s)")
+        p.add_argument("--update-readme", action="store_true", help="also rewrite the README's results table")
+
+    p = sub.add_parser("bench", help="time every implementation on every workload (on a GPU); "
+                                     "without one, replay the recorded results as tables and figures")
+    common(p)
+    p.add_argument("--op", choices=(*OPS, "all"), default="all")
+    p.add_argument("--suite", choices=(*SUITES, "all"), default="all")
+    p.add_argument("--reps", type=int, default=100, help="timed calls per measurement (median taken)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--limit", type=int, default=0, help="only the first LIMIT workloads of each suite")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("check", help="verify the kernels against float64 on fresh random inputs (on a "
+                                     "GPU); without one, compile every kernel for sm_90 and report spills")
+    p.add_argument("--op", choices=(*OPS, "all"), default="all")
+    p.add_argument("--suite", choices=(*SUITES, "all"), default="benchmark")
+    p.add_argument("--rounds", type=int, default=1, help="fresh input draws per workload")
+    p.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("figures", help="regenerate every figure from the recorded CSVs (no GPU needed)")
+    common(p)
+    p.set_defaults(func=cmd_figures)
+
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None) == "check" and args.seed is None:
+        import random
+
+        args.seed = random.SystemRandom().randrange(1 << 30)
+        print(f"seed {args.seed}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+// common.cuh: helpers shared by every kernel source. `_build.py` pastes this file in place of
+// `#include "common.cuh"`, so the sources need no include path (no cuda_bf16.h either).
+#pragma once
+
+// bf16 travels as raw 16-bit words. Eight of them are one 16-byte vector (uint4), the widest
+// single load or store a thread can issue.
+constexpr int kVec = 8;
+
+__device__ __forceinline__ float bf16_lo(unsigned int pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int pair) { return __uint_as_float(pair & 0xffff0000u); }
+
+// Two fp32 -> one packed bf16x2, round to nearest even (NaN stays NaN): the hardware cvt.
+__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    unsigned int packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+// Element e (a compile-time constant after unrolling) of 8 packed bf16, without unpacking the rest.
+__device__ __forceinline__ float bf16_at(const uint4& v, const int e) {
+    const unsigned int pair = e < 2 ? v.x : (e < 4 ? v.y : (e < 6 ? v.z : v.w));
+    return (e & 1) ? bf16_hi(pair) : bf16_lo(pair);
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4 v, float (&out)[kVec]) {
+    out[0] = bf16_lo(v.x); out[1] = bf16_hi(v.x);
+    out[2] = bf16_lo(v.y); out[3] = bf16_hi(v.y);
+    out[4] = bf16_lo(v.z); out[5] = bf16_hi(v.z);
+    out[6] = bf16_lo(v.w); out[7] = bf16_hi(v.w);
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&in)[kVec]) {
+    return make_uint4(pack_bf16x2(in[0], in[1]), pack_bf16x2(in[2], in[3]),
+                      pack_bf16x2(in[4], in[5]), pack_bf16x2(in[6], in[7]));
+}
+
+// Streaming (read-once) 16-byte load: bypasses L1 allocation so the reused data keeps it.
+__device__ __forceinline__ uint4 load_streaming(const uint4* p) { return __ldcs(p); }
+__device__ __forceinline__ float4 load_streaming(const float4* p) { return __ldcs(p); }
+
+// Sum NV values over the whole block at once, in a fixed order, so the result is bitwise
+// reproducible. Every thread receives the totals. blockDim.x must be a multiple of 32 and at
+// most 1024; `scratch` holds 32 * NV floats of shared memory.
+template <int NV>
+__device__ __forceinline__ void block_sum(float (&v)[NV], float* scratch) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    __syncthreads();  // an earlier call may still be reading scratch
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i) scratch[i * 32 + warp] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        float s = lane < warps ? scratch[i * 32 + lane] : 0.0f;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
+        v[i] = s;
+    }
+}

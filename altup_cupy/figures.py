@@ -1,0 +1,495 @@
+"""Every figure of the project, regenerated from the recorded CSV files alone (no GPU, seconds).
+
+    from altup_cupy.figures import regenerate
+    regenerate("results/h200", "figures")      # -> list of the PNG paths written
+
+Inputs: `results/h200/bench_{op}_{suite}.csv` (schema `bench.CSV_COLUMNS`) and, for the measured
+ceilings, `results/h200/spec_baselines.json`. An op or suite whose CSV is absent is skipped with a
+message; nothing else is read. Output PNGs are deterministic: the same CSVs and the same
+matplotlib give byte-identical files (no software tag or timestamp in the PNG, fixed rcParams),
+so a test can check that `figures/` is what the committed data regenerates.
+
+Figures (one file each):
+- `roofline.png`: the H200 roofline, log-log, datasheet and measured ceilings, every row of every
+  CSV placed at (FLOP / compulsory byte, achieved TFLOP/s).
+- `latency_{op}_{suite}.png`: median latency (p10..p90 bars) against tokens, every implementation,
+  with the speed-of-light time; one panel per (N, H).
+- `pct_sol_{op}_{suite}.png`: % of the datasheet speed of light per workload, every implementation.
+- `speedup_{op}_{suite}.png`: our kernel's speedup over each PyTorch baseline per workload
+  (hatched where that baseline fails the tolerance rule).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from .bench import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S, RESULTS_DIR, csv_path, read_csv
+from .workloads import OPS, SUITES
+
+REPO_ROOT = RESULTS_DIR.parent.parent
+FIGURES_DIR = REPO_ROOT / "figures"
+OURS = "altup_cupy"  # the implementation every speedup is measured for
+OP_TITLES = {"collapse": "collapse forward", "predict_correct_backward": "predict-correct backward"}
+# Fixed colours for the known implementations (the legend keeps a stable look across runs);
+# unknown names get the remaining palette entries in sorted order.
+IMPL_COLORS = {
+    "altup_cupy": "#d62728",
+    "altup_cupy_v1": "#ff9896",
+    "torch_eager_fp32": "#1f77b4",
+    "torch_eager_bf16gemm": "#9467bd",
+    "torch_compile_bf16gemm": "#8c564b",
+    "torch_eager": "#2ca02c",
+    "torch_autograd": "#17becf",
+    "torch_compile": "#bcbd22",
+    "cublas_gemms_fp32out": "#7f7f7f",
+    "copy_floor": "#404040",
+}
+_SPARE_COLORS = ("#e377c2", "#ff7f0e", "#98df8a", "#c5b0d5", "#aec7e8", "#ffbb78", "#393b79")
+OP_MARKERS = {"collapse": "o", "predict_correct_backward": "s"}
+DPI = 110
+_RC = {
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "legend.fontsize": 8,
+    "figure.dpi": DPI,
+    "savefig.dpi": DPI,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "svg.hashsalt": "altup_cupy",
+    "path.simplify": True,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+def impl_role(impl: str) -> str:
+    """'ours' (this package's kernels), 'pytorch' (a PyTorch baseline) or 'floor' (a reference
+    that is timed but not checked, e.g. the cuBLAS GEMMs alone or a device copy)."""
+    if impl.startswith("altup_cupy"):
+        return "ours"
+    if impl.startswith("torch_"):
+        return "pytorch"
+    return "floor"
+
+
+def impl_label(impl: str) -> str:
+    role = impl_role(impl)
+    if impl == OURS:
+        return f"{impl} (ours)"
+    if role == "ours":
+        return f"{impl} (ours, earlier version)"
+    if role == "floor":
+        return f"{impl} (floor, unchecked)"
+    return impl
+
+
+def _float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _passed(value) -> bool | None:
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    return None  # unchecked (a floor) or not recorded
+
+
+def parse_rows(rows: Iterable[dict]) -> list[dict]:
+    """CSV rows (all strings) -> rows with numbers, booleans and a workload key."""
+    out = []
+    for raw in rows:
+        row = dict(raw)
+        for key in ("N", "H", "batch_size", "seq_len", "tokens"):
+            row[key] = int(float(raw[key]))
+        for key in ("median_us", "p10_us", "p90_us", "sol_us", "pct_sol", "tflops", "tbps",
+                    "match_ratio", "rel_l2"):
+            row[key] = _float(raw.get(key))
+        row["passed"] = _passed(raw.get("passed"))
+        row["workload"] = (row["N"], row["H"], row["batch_size"], row["seq_len"])
+        out.append(row)
+    return out
+
+
+def load_results(results_dir: Path | str = RESULTS_DIR, log: Callable[[str], None] = print
+                 ) -> dict[tuple[str, str], list[dict]]:
+    """{(op, suite): parsed rows} for every CSV present; absent ones are reported and skipped."""
+    found = {}
+    for op in OPS:
+        for suite in SUITES:
+            path = csv_path(op, suite, Path(results_dir))
+            if not path.is_file():
+                log(f"figures: no {path.name} in {results_dir}: skipping {op} / {suite}")
+                continue
+            rows = parse_rows(read_csv(path))
+            if not rows:
+                log(f"figures: {path.name} has no rows: skipping {op} / {suite}")
+                continue
+            found[(op, suite)] = rows
+    return found
+
+
+def load_ceilings(results_dir: Path | str = RESULTS_DIR) -> dict:
+    """Datasheet and measured H200 ceilings; the measured ones from spec_baselines.json if present."""
+    ceilings = {"datasheet_tflops": H200_BF16_FLOPS / 1e12, "datasheet_tbps": H200_HBM_BYTES_PER_S / 1e12,
+                "measured_tflops": None, "measured_tbps": None, "measured_on": None}
+    path = Path(results_dir) / "spec_baselines.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        c = data.get("ceilings", {})
+        ceilings["measured_tflops"] = c.get("bf16_gemm_8192cubed_TFLOPs")
+        ceilings["measured_tbps"] = c.get("device_copy_TBps")
+        ceilings["datasheet_tflops"] = c.get("datasheet_bf16_dense_TFLOPs", ceilings["datasheet_tflops"])
+        ceilings["datasheet_tbps"] = c.get("datasheet_hbm_TBps", ceilings["datasheet_tbps"])
+        ceilings["measured_on"] = data.get("measured_on")
+    return ceilings
+
+
+def provenance(rows: Sequence[dict]) -> str:
+    """'NVIDIA H200, 2026-12-02, git abc123' from the rows' gpu, date and git_sha columns."""
+    gpus = sorted({r.get("gpu", "") for r in rows if r.get("gpu")})
+    days = sorted({str(r.get("date", ""))[:10] for r in rows if r.get("date")})
+    shas = sorted({r.get("git_sha", "") for r in rows if r.get("git_sha")})
+    gpu = " / ".join(gpus) or "unknown GPU"
+    day = (days[0] if len(days) == 1 else f"{days[0]} .. {days[-1]}") if days else "undated"
+    sha = f", git {', '.join(shas)}" if shas and len(shas) <= 2 else ""
+    return f"{gpu}, measured {day}{sha}"
+
+
+def impl_order(rows: Sequence[dict]) -> list[str]:
+    """Implementations in a stable order: ours first, then PyTorch baselines, then floors."""
+    rank = {"ours": 0, "pytorch": 1, "floor": 2}
+    first_seen = {}
+    for i, r in enumerate(rows):
+        first_seen.setdefault(r["impl"], i)
+    return sorted(first_seen, key=lambda name: (rank[impl_role(name)], name != OURS, first_seen[name]))
+
+
+def color_map(impls: Iterable[str]) -> dict[str, str]:
+    colors, spare = {}, list(_SPARE_COLORS)
+    for name in sorted(set(impls)):
+        if name in IMPL_COLORS:
+            colors[name] = IMPL_COLORS[name]
+        else:
+            colors[name] = spare.pop(0) if spare else "#333333"
+    return colors
+
+
+def workloads_by_tokens(rows: Sequence[dict]) -> list[tuple]:
+    keys = {r["workload"]: r["tokens"] for r in rows}
+    return sorted(keys, key=lambda k: (keys[k], k))
+
+
+def workload_label(key: tuple, with_nh: bool = False) -> str:
+    n, h, b, s = key
+    base = f"{b}x{s}"
+    return f"N{n} H{h} {base}" if with_nh else base
+
+
+def geomean(values: Iterable[float]) -> float:
+    vals = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(statistics.fmean(math.log(v) for v in vals)) if vals else math.nan
+
+
+# ----------------------------------------------------------------------------------------------
+# plotting
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def style():
+    """A context in which matplotlib has the figures' settings (defaults + `_RC`), whatever the
+    caller's rcParams: every figure function is meant to run inside it."""
+    import contextlib
+
+    import matplotlib
+
+    @contextlib.contextmanager
+    def context():
+        with matplotlib.rc_context():
+            matplotlib.rcdefaults()
+            matplotlib.rcParams.update(_RC)
+            yield
+
+    return context()
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # No "Software" tag and no timestamp: byte-identical output for identical inputs.
+    fig.savefig(path, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight",
+                pad_inches=0.15)
+    _pyplot().close(fig)
+    return path
+
+
+def roofline_points(rows: Sequence[dict]) -> list[tuple[dict, float, float]]:
+    """(row, FLOP per compulsory byte, achieved TFLOP/s) for every row that can be placed.
+
+    A workload's FLOP count and intensity are the same for all its implementations; both are taken
+    from its row with the largest tflops (the CSV rounds tflops to 0.1 TFLOP/s and tbps to
+    0.001 TB/s, so the fastest row holds the most digits): FLOP = tflops * median_us * 1e6,
+    intensity = tflops / tbps. Each row's throughput is then FLOP / its own median_us, which keeps
+    slow baselines (whose own tflops may round to 0.0) exact. Rows of a workload whose tflops are
+    all 0 or missing (no FLOP count) are not placed.
+    """
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["op"], r["workload"])
+        if r["tflops"] > 0 and r["tbps"] > 0 and (key not in best or r["tflops"] > best[key]["tflops"]):
+            best[key] = r
+    points = []
+    for r in rows:
+        ref = best.get((r["op"], r["workload"]))
+        if ref is None or not r["median_us"] > 0:
+            continue
+        flop_e6 = ref["tflops"] * ref["median_us"]  # FLOP / 1e6
+        points.append((r, ref["tflops"] / ref["tbps"], flop_e6 / r["median_us"]))
+    return points
+
+
+def plot_roofline(results: dict, ceilings: dict, path: Path) -> Path | None:
+    plt = _pyplot()
+    rows = [r for rs in results.values() for r in rs]
+    points = roofline_points(rows)
+    placed = [p[0] for p in points]
+    unplaced = len(rows) - len(placed)
+    if not placed:
+        return None
+    impls = impl_order(placed)
+    colors = color_map(impls)
+    intensity = [x for _, x, _ in points]  # FLOP per compulsory byte
+    lo = 10 ** math.floor(math.log10(min(intensity) / 2))
+    hi = 10 ** math.ceil(math.log10(max(max(intensity) * 2, ceilings["datasheet_tflops"] / ceilings["datasheet_tbps"] * 4)))
+    fig, ax = plt.subplots(figsize=(10, 6.8))
+    xs = [lo * (hi / lo) ** (i / 400) for i in range(401)]
+    ax.plot(xs, [min(ceilings["datasheet_tflops"], ceilings["datasheet_tbps"] * x) for x in xs],
+            color="black", lw=1.8,
+            label=f"datasheet: {ceilings['datasheet_tflops']:.1f} TFLOP/s bf16, {ceilings['datasheet_tbps']:.1f} TB/s HBM3e")
+    if ceilings["measured_tflops"] and ceilings["measured_tbps"]:
+        ax.plot(xs, [min(ceilings["measured_tflops"], ceilings["measured_tbps"] * x) for x in xs],
+                color="black", lw=1.4, ls="--",
+                label=f"measured: {ceilings['measured_tflops']:.1f} TFLOP/s (cuBLAS 8192³), "
+                      f"{ceilings['measured_tbps']:.2f} TB/s (device copy)")
+    ridge = ceilings["datasheet_tflops"] / ceilings["datasheet_tbps"]
+    ax.axvline(ridge, color="black", lw=0.6, ls=":")
+    for op, suite in sorted(results):
+        for impl in impls:
+            pts = [(x, y) for r, x, y in points if (r["op"], r["suite"], r["impl"]) == (op, suite, impl)]
+            if not pts:
+                continue
+            filled = suite == "benchmark"
+            ax.scatter([x for x, _ in pts], [y for _, y in pts],
+                       marker=OP_MARKERS.get(op, "^"), s=34, linewidths=1.1,
+                       facecolors=colors[impl] if filled else "none", edgecolors=colors[impl],
+                       alpha=0.9, zorder=3)
+    # Legend: colours = implementations, markers = ops, fill = suite.
+    from matplotlib.lines import Line2D
+
+    handles, labels = ax.get_legend_handles_labels()
+    for impl in impls:
+        handles.append(Line2D([], [], ls="", marker="o", color=colors[impl], markersize=7))
+        labels.append(impl_label(impl))
+    for op in sorted({op for op, _ in results}):
+        handles.append(Line2D([], [], ls="", marker=OP_MARKERS.get(op, "^"), color="0.3", markersize=7))
+        labels.append(f"marker: {OP_TITLES.get(op, op)}")
+    if any(s == "gemma3n" for _, s in results):
+        handles.append(Line2D([], [], ls="", marker="o", markerfacecolor="none", color="0.3", markersize=7))
+        labels.append("hollow: Gemma 3n shapes (N=4); filled: benchmark workloads")
+    ax.legend(handles, labels, loc="lower right", framealpha=0.92)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ymin = 10 ** math.floor(math.log10(min(y for _, _, y in points) / 2))
+    ax.set_ylim(ymin, ceilings["datasheet_tflops"] * 2)
+    ax.annotate(f"ridge point {ridge:.0f} FLOP/B", (ridge, ymin), textcoords="offset points",
+                xytext=(4, 6), fontsize=8)
+    ax.set_xlabel("arithmetic intensity (FLOP per compulsory byte of HBM traffic)")
+    ax.set_ylabel("achieved throughput (TFLOP/s)")
+    note = f"; {unplaced} rows without a FLOP count not placed" if unplaced else ""
+    ax.set_title(f"H200 roofline: every workload and implementation of both ops\n{provenance(rows)}{note}")
+    return _save(fig, path)
+
+
+def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
+    plt = _pyplot()
+    impls = impl_order(rows)
+    colors = color_map(impls)
+    shapes = sorted({(r["N"], r["H"]) for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes) + 1.5, 5.6), squeeze=False)
+    for ax, (n, h) in zip(axes[0], shapes):
+        sub = [r for r in rows if (r["N"], r["H"]) == (n, h)]
+        for impl in impls:
+            pts = sorted((r for r in sub if r["impl"] == impl), key=lambda r: r["tokens"])
+            if not pts:
+                continue
+            x = [r["tokens"] for r in pts]
+            y = [r["median_us"] for r in pts]
+            err = [[max(0.0, r["median_us"] - r["p10_us"]) for r in pts],
+                   [max(0.0, r["p90_us"] - r["median_us"]) for r in pts]]
+            failed = any(r["passed"] is False for r in pts)
+            role = impl_role(impl)
+            ax.errorbar(x, y, yerr=err, color=colors[impl], marker="o", ms=4, lw=1.6 if role == "ours" else 1.1,
+                        ls=":" if role == "floor" else "-", capsize=2,
+                        label=impl_label(impl) + (" [fails tolerance]" if failed else ""))
+        sol = {}
+        for r in sub:
+            sol[r["tokens"]] = r["sol_us"]
+        xs = sorted(sol)
+        ax.plot(xs, [sol[x] for x in xs], color="black", ls="--", lw=1.2, label="speed of light (H200 datasheet)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M = batch_size x seq_len")
+        ax.set_ylabel("median latency (µs), bars p10..p90")
+        ax.set_title(f"N={n}, H={h}")
+    axes[0][-1].legend(loc="upper left", framealpha=0.92)
+    fig.suptitle(f"{OP_TITLES.get(op, op)}: latency vs tokens ({suite} suite)\n{provenance(rows)}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _grouped_bars(ax, keys, series, colors, hatches=None):
+    """series: list of (label, color_key, [value per key]); one group of bars per key."""
+    width = 0.8 / max(1, len(series))
+    for i, (label, ckey, values) in enumerate(series):
+        xs = [k + (i - (len(series) - 1) / 2) * width for k in range(len(keys))]
+        bars = ax.bar(xs, [v if math.isfinite(v) else 0.0 for v in values], width=width,
+                      color=colors[ckey], label=label, edgecolor="white", linewidth=0.4)
+        if hatches is not None:
+            for bar, hatch in zip(bars, hatches[i]):
+                if hatch:
+                    bar.set_hatch("////")
+                    bar.set_edgecolor("black")
+
+
+def plot_pct_sol(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
+    plt = _pyplot()
+    impls = impl_order(rows)
+    colors = color_map(impls)
+    keys = workloads_by_tokens(rows)
+    with_nh = len({k[:2] for k in keys}) > 1
+    by = {(r["impl"], r["workload"]): r for r in rows}
+    series, hatches = [], []
+    for impl in impls:
+        vals = [by[(impl, k)]["pct_sol"] if (impl, k) in by else math.nan for k in keys]
+        fails = [(impl, k) in by and by[(impl, k)]["passed"] is False for k in keys]
+        finite = [v for v in vals if math.isfinite(v)]
+        mean = f", mean {statistics.fmean(finite):.1f}%" if finite else ""
+        series.append((impl_label(impl) + mean, impl, vals))
+        hatches.append(fails)
+    fig, ax = plt.subplots(figsize=(min(16.0, max(9.0, 0.45 * len(keys) * max(1, len(impls)) / 3 + 5)), 6.0))
+    _grouped_bars(ax, keys, series, colors, hatches)
+    ax.axhline(100, color="black", lw=1.0, ls="--", label="speed of light (100%)")
+    if any(any(h) for h in hatches):
+        from matplotlib.patches import Patch
+
+        handles, labels = ax.get_legend_handles_labels()
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="////"))
+        labels.append("hatched: fails the tolerance rule")
+        ax.legend(handles, labels, loc="upper left", framealpha=0.92)
+    else:
+        ax.legend(loc="upper left", framealpha=0.92)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([workload_label(k, with_nh) for k in keys], rotation=45, ha="right")
+    ax.set_xlabel("workload (batch_size x seq_len), sorted by tokens")
+    ax.set_ylabel("% of speed of light (T_SOL / T_measured)")
+    top = max([v for _, _, vals in series for v in vals if math.isfinite(v)] + [100.0])
+    ax.set_ylim(0, top * 1.25)
+    ax.set_title(f"{OP_TITLES.get(op, op)}: % of speed of light per workload ({suite} suite)\n{provenance(rows)}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_speedup(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path | None:
+    plt = _pyplot()
+    baselines = [i for i in impl_order(rows) if impl_role(i) == "pytorch"]
+    by = {(r["impl"], r["workload"]): r for r in rows}
+    keys = [k for k in workloads_by_tokens(rows) if (OURS, k) in by]
+    if not baselines or not keys:
+        return None
+    colors = color_map(impl_order(rows))
+    with_nh = len({k[:2] for k in keys}) > 1
+    series, hatches = [], []
+    for base in baselines:
+        vals = [by[(base, k)]["median_us"] / by[(OURS, k)]["median_us"] if (base, k) in by else math.nan
+                for k in keys]
+        fails = [(base, k) in by and by[(base, k)]["passed"] is False for k in keys]
+        tag = " [fails tolerance]" if any(fails) else ""
+        series.append((f"vs {base}{tag}: geomean {geomean(vals):.2f}x", base, vals))
+        hatches.append(fails)
+    fig, ax = plt.subplots(figsize=(min(16.0, max(9.0, 0.45 * len(keys) * len(baselines) / 3 + 5)), 6.0))
+    _grouped_bars(ax, keys, series, colors, hatches)
+    ax.axhline(1.0, color="black", lw=1.0, ls="--", label="1x (parity)")
+    ax.legend(loc="upper left", framealpha=0.92)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([workload_label(k, with_nh) for k in keys], rotation=45, ha="right")
+    ax.set_xlabel("workload (batch_size x seq_len), sorted by tokens")
+    ax.set_ylabel(f"speedup of {OURS} (baseline µs / our µs)")
+    top = max([v for _, _, vals in series for v in vals if math.isfinite(v)] + [1.0])
+    ax.set_ylim(0, top * 1.3)
+    ax.set_title(f"{OP_TITLES.get(op, op)}: speedup over PyTorch ({suite} suite; hatched = baseline fails "
+                 f"the tolerance)\n{provenance(rows)}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def regenerate(results_dir: Path | str = RESULTS_DIR, out_dir: Path | str = FIGURES_DIR,
+               log: Callable[[str], None] = print) -> list[Path]:
+    """Write every figure that the CSVs in `results_dir` support into `out_dir`; return the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    results = load_results(results_dir, log)
+    if not results:
+        log(f"figures: no bench_*.csv in {results_dir}: nothing to draw")
+        return []
+    ceilings = load_ceilings(results_dir)
+    written: list[Path] = []
+    with style():
+        path = plot_roofline(results, ceilings, out_dir / "roofline.png")
+        if path:
+            written.append(path)
+        for (op, suite), rows in sorted(results.items()):
+            written.append(plot_latency(op, suite, rows, out_dir / f"latency_{op}_{suite}.png"))
+            written.append(plot_pct_sol(op, suite, rows, out_dir / f"pct_sol_{op}_{suite}.png"))
+            path = plot_speedup(op, suite, rows, out_dir / f"speedup_{op}_{suite}.png")
+            if path:
+                written.append(path)
+            else:
+                log(f"figures: {op} / {suite} has no {OURS} or PyTorch rows: no speedup figure")
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m altup_cupy figures [--results DIR] [--out DIR]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="altup_cupy figures", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="folder of bench_*.csv")
+    parser.add_argument("--out", type=Path, default=FIGURES_DIR, help="folder the PNGs go to")
+    args = parser.parse_args(argv)
+    regenerate(args.results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""Host side of the AltUp predict-correct backward (SPEC.md section 2).
+
+v2 (default): `pc_v2_fused` in predict_correct_bwd.cu, one pass over memory on a persistent grid
+(about one block per SM; block b handles tokens b, b + G, ...), writing per-block partials of the
+four weight gradients; `pc_reduce_partials` sums them in a fixed order (bitwise deterministic).
+Rows are held in registers ("resident", prefetched by cp.async) when one 8-element slice per
+thread covers H (H <= 2560 for N <= 3, H <= 2048 for N = 4); otherwise the same kernel re-reads
+each token's rows through L1/L2 with 2 or 4 slices per thread (H <= 8192).
+
+v1 (teaching): one small kernel per derivation stage with intermediates in global scratch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import numpy
+
+from . import _arrays
+from ._arrays import BF16, F32
+from ._build import KernelSource
+
+SUPPORTED_STREAMS = (2, 3, 4)
+# v3 instantiations: (slices per thread, resident, min blocks per SM); launch bound 512 threads
+# for one block per SM, 320 otherwise.
+V3_VARIANTS = ((1, True, 1), (1, False, 1), (1, False, 2), (2, False, 1))
+V3_SMALL = (1, False, 2)  # H <= 2560
+VERSIONS = (1, 2, 3)
+DEFAULT_VERSION = 3
+MAX_HIDDEN = 8192  # v2: 4 slices of 8 per thread x 256 threads; v3: 2 x 512
+RESIDENT_THREADS = {2: 320, 3: 320, 4: 256}  # launch bounds of the resident v2 kernels
+NONRESIDENT_THREADS = 256
+NONRESIDENT_SLICES = (2, 4)
+V1_THREADS = 256
+V1_MAX_CHUNKS = 256  # token chunks of the v1 weight-gradient reductions
+
+V1_STAGES = ("forward_stats", "correction_grads", "correct_router_bwd", "prediction_grads",
+             "predict_router_bwd", "elementwise", "weight_grads", "coef_grads")
+
+
+def _name_expressions() -> tuple[str, ...]:
+    names = []
+    for n in SUPPORTED_STREAMS:
+        names.append(f"pc_reduce_partials<{n}>")
+        names += [f"pc_v1_{stage}<{n}>" for stage in V1_STAGES]
+        for a in range(n):
+            names.append(f"pc_v2_fused<{n}, {a}, 1, true>")
+            names += [f"pc_v2_fused<{n}, {a}, {s}, false>" for s in NONRESIDENT_SLICES]
+            names += [f"pc_v3_fused<{n}, {a}, {s}, {'true' if r else 'false'}, {b}>" for s, r, b in V3_VARIANTS]
+    return tuple(names)
+
+
+SOURCE = KernelSource("predict_correct_bwd.cu", _name_expressions())
+
+
+class PredictCorrectGrads(NamedTuple):
+    grad_hidden_states: Any  # bf16 [N, B, S, H]
+    grad_activated: Any  # bf16 [B, S, H]
+    grad_prediction_coefs: Any  # fp32 [N*N, N]
+    grad_correction_coefs: Any  # fp32 [N, N]
+    grad_router_weight: Any  # fp32 [N, H]
+    grad_norm_weight: Any  # fp32 [H]
+
+
+def partial_stride(streams: int, hidden: int) -> int:
+    """Floats in one block's weight-gradient partials: dR [N*H] | dw [H] | dP [N^3] | dQ [N^2]."""
+    return (streams + 1) * hidden + streams**3 + streams**2
+
+
+def token_stats_size(streams: int) -> int:
+    """Floats per token in v1's scratch (TokenStats<N>::size in the .cu)."""
+    return 2 + 6 * streams + 2 * streams * streams
+
+
+def v2_launch_shape(streams: int, hidden: int) -> tuple[int, bool, int]:
+    """(slices per thread, resident, threads per block) of the v2 kernel for this N and H."""
+    slices = hidden // 8
+    if slices <= RESIDENT_THREADS[streams]:
+        return 1, True, max(32, -(-slices // 32) * 32)
+    for per_thread in NONRESIDENT_SLICES:
+        threads = -(-slices // per_thread)
+        if threads <= NONRESIDENT_THREADS:
+            return per_thread, False, max(32, -(-threads // 32) * 32)
+    raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
+
+
+def v2_shared_bytes(streams: int, per_thread: int, resident: bool, threads: int) -> int:
+    """Dynamic shared memory: fp32 accumulators, then (resident) the cp.async prefetch stage."""
+    acc = (streams + 1) * per_thread * 8 * threads * 4
+    stage = (2 * streams + 1) * per_thread * threads * 16 if resident else 0
+    return acc + 2 * stage
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def _blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int = 2) -> int:
+    """A conservative occupancy estimate (register file 64K, 228 KiB shared memory per SM)."""
+    regs = -(-max(registers, 1) // 8) * 8
+    warps = -(-threads // 128) * 4  # warp allocation granularity of 4
+    by_regs = 65536 // (regs * warps * 32)
+    by_smem = (228 * 1024) // (shared_bytes + 1024 + 4096)
+    by_threads = 2048 // threads
+    return max(1, min(by_regs, by_smem, by_threads, cap))
+
+
+def v3_launch_shape(hidden: int) -> tuple[int, bool, int, int]:
+    """(slices per thread, resident, min blocks per SM, threads per block) of the v3 kernel."""
+    slices = hidden // 8
+    if slices <= 320:
+        return (*V3_SMALL, max(32, -(-slices // 32) * 32))
+    if slices <= 512:
+        return 1, True, 1, -(-slices // 32) * 32
+    if slices <= 1024:
+        return 2, False, 1, -(-(-(-slices // 2)) // 32) * 32
+    raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
+
+
+def v3_shared_bytes(streams: int, per_thread: int, threads: int) -> int:
+    """Dynamic shared memory of v3: the block's S accumulator [N][slices per thread][8][threads]."""
+    return streams * per_thread * 8 * threads * 4
+
+
+def _validate(grad_corrected, hidden_states, activated, prediction_coefs, correction_coefs,
+              router_weight, norm_weight, active_idx, eps):
+    g = _arrays.accept("grad_corrected", grad_corrected, BF16, (None, None, None, None))
+    streams, batch, seq, hidden = g.shape
+    if streams not in SUPPORTED_STREAMS:
+        raise ValueError(f"grad_corrected must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
+    if hidden % 8:
+        raise ValueError(f"hidden size H (grad_corrected dim 3) must be divisible by 8, got {hidden}")
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size H (grad_corrected dim 3) must be at most {MAX_HIDDEN}, got {hidden}")
+    hs = _arrays.accept("hidden_states", hidden_states, BF16, (streams, batch, seq, hidden))
+    act = _arrays.accept("activated", activated, BF16, (batch, seq, hidden))
+    P = _arrays.accept("prediction_coefs", prediction_coefs, BF16, (streams * streams, streams))
+    Q = _arrays.accept("correction_coefs", correction_coefs, BF16, (streams, streams))
+    R = _arrays.accept("router_weight", router_weight, BF16, (streams, hidden))
+    w = _arrays.accept("norm_weight", norm_weight, BF16, (hidden,))
+    a = _arrays.index_in_range("active_idx", active_idx, streams)
+    eps = _arrays.positive_finite("eps", eps)
+    args = (g, hs, act, P, Q, R, w)
+    framework, device = _arrays.same_device(args)
+    return args, a, eps, framework, device
+
+
+def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated: Any,
+                             prediction_coefs: Any, correction_coefs: Any, router_weight: Any,
+                             norm_weight: Any, active_idx: int = 0, eps: float = 1e-6, *,
+                             version: int = DEFAULT_VERSION) -> PredictCorrectGrads:
+    """The six gradients of AltUp's predict + correct step (SPEC.md section 2).
+
+    grad_corrected, hidden_states: bf16 [N, B, S, H]; activated: bf16 [B, S, H];
+    prediction_coefs bf16 [N*N, N]; correction_coefs bf16 [N, N]; router_weight bf16 [N, H];
+    norm_weight bf16 [H]; N in {2, 3, 4}, H divisible by 8 and at most 8192.
+    Returns `PredictCorrectGrads` of the caller's array type: bf16 activation gradients and fp32
+    weight gradients, computed on the caller's current stream. Inputs are not modified.
+    version 3 (default): fused single pass, one block reduction per token; version 2: fused, three
+    reduction rounds per token; version 1: step-by-step kernels.
+    """
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    args, a, eps, framework, device = _validate(grad_corrected, hidden_states, activated,
+                                                prediction_coefs, correction_coefs, router_weight,
+                                                norm_weight, active_idx, eps)
+    g = args[0]
+    streams, batch, seq, hidden = g.shape
+    tokens = batch * seq
+    grad_hs = _arrays.empty(framework, g, (streams, batch, seq, hidden), BF16)
+    grad_act = _arrays.empty(framework, g, (batch, seq, hidden), BF16)
+    if tokens == 0:
+        zeros = lambda shape: _arrays.zeros(framework, g, shape, F32)  # noqa: E731
+        return PredictCorrectGrads(grad_hs.array, grad_act.array, zeros((streams * streams, streams)),
+                                   zeros((streams, streams)), zeros((streams, hidden)), zeros((hidden,)))
+    with _arrays.caller_stream(framework, device) as stream:
+        grad_P = _arrays.empty(framework, g, (streams * streams, streams), F32)
+        grad_Q = _arrays.empty(framework, g, (streams, streams), F32)
+        grad_R = _arrays.empty(framework, g, (streams, hidden), F32)
+        grad_w = _arrays.empty(framework, g, (hidden,), F32)
+        outs = (grad_hs, grad_act, grad_P, grad_Q, grad_R, grad_w)
+        if version == 3:
+            _launch_v3(args, outs, a, eps, framework, device, stream)
+        elif version == 2:
+            _launch_v2(args, outs, a, eps, framework, device, stream)
+        else:
+            _launch_v1(args, outs, a, eps, framework, stream)
+    return PredictCorrectGrads(*(o.array for o in outs))
+
+
+def _ptr(arg) -> numpy.uint64:
+    return numpy.uint64(arg.ptr)
+
+
+def _reduce(partials, blocks: int, streams: int, hidden: int, outs, stream) -> None:
+    _, _, grad_P, grad_Q, grad_R, grad_w = outs
+    total = partial_stride(streams, hidden)
+    SOURCE.kernel(f"pc_reduce_partials<{streams}>")(
+        (-(-total // 256),), (256,),
+        (_ptr(partials), numpy.int32(blocks), numpy.int32(hidden), _ptr(grad_R), _ptr(grad_w),
+         _ptr(grad_P), _ptr(grad_Q)),
+        stream=stream,
+    )
+
+
+def _launch_v2(args, outs, a, eps, framework, device, stream) -> None:
+    g, hs, act, P, Q, R, w = args
+    grad_hs, grad_act = outs[0], outs[1]
+    streams, batch, seq, hidden = g.shape
+    tokens = batch * seq
+    per_thread, resident, threads = v2_launch_shape(streams, hidden)
+    kernel = SOURCE.kernel(f"pc_v2_fused<{streams}, {a}, {per_thread}, {'true' if resident else 'false'}>")
+    shared = v2_shared_bytes(streams, per_thread, resident, threads)
+    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    blocks = min(tokens, _sm_count(device) * _blocks_per_sm(kernel.num_regs, threads, shared))
+    partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
+    kernel(
+        (blocks,), (threads,),
+        (_ptr(g), _ptr(hs), _ptr(act), _ptr(P), _ptr(Q), _ptr(R), _ptr(w), _ptr(grad_hs),
+         _ptr(grad_act), _ptr(partials), numpy.int32(hidden), numpy.int64(tokens), numpy.float32(eps)),
+        stream=stream, shared_mem=shared,
+    )
+    _reduce(partials, blocks, streams, hidden, outs, stream)
+
+
+def _launch_v3(args, outs, a, eps, framework, device, stream) -> None:
+    g, hs, act, P, Q, R, w = args
+    grad_hs, grad_act = outs[0], outs[1]
+    streams, batch, seq, hidden = g.shape
+    tokens = batch * seq
+    per_thread, resident, min_blocks, threads = v3_launch_shape(hidden)
+    kernel = SOURCE.kernel(f"pc_v3_fused<{streams}, {a}, {per_thread}, {'true' if resident else 'false'}, {min_blocks}>")
+    shared = v3_shared_bytes(streams, per_thread, threads)
+    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    per_sm = _blocks_per_sm(kernel.num_regs, threads, shared + kernel.shared_size_bytes, cap=8)
+    blocks = min(tokens, _sm_count(device) * per_sm)
+    partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
+    kernel(
+        (blocks,), (threads,),
+        (_ptr(g), _ptr(hs), _ptr(act), _ptr(P), _ptr(Q), _ptr(R), _ptr(w), _ptr(grad_hs),
+         _ptr(grad_act), _ptr(partials), numpy.int32(hidden), numpy.int64(tokens), numpy.float32(eps)),
+        stream=stream, shared_mem=shared,
+    )
+    _reduce(partials, blocks, streams, hidden, outs, stream)
+
+
+def _launch_v1(args, outs, a, eps, framework, stream) -> None:
+    g, hs, act, P, Q, R, w = args
+    grad_hs, grad_act = outs[0], outs[1]
+    streams, batch, seq, hidden = g.shape
+    tokens = batch * seq
+    slices = hidden // 8
+    n, M, H, A = streams, numpy.int64(tokens), numpy.int32(hidden), numpy.int32(a)
+    k = lambda stage: SOURCE.kernel(f"pc_v1_{stage}<{n}>")  # noqa: E731
+    stats = _arrays.empty(framework, g, (tokens * token_stats_size(n),), F32)
+    gx_p = _arrays.empty(framework, g, (tokens * hidden,), F32)
+    gx_c = _arrays.empty(framework, g, (tokens * hidden,), F32)
+    per_token = ((tokens,), (V1_THREADS,))
+    # 1. forward statistics and router outputs
+    k("forward_stats")(*per_token, (_ptr(hs), _ptr(act), _ptr(P), _ptr(Q), _ptr(R), _ptr(w),
+                                    _ptr(stats), H, M, A, numpy.float32(eps)), stream=stream)
+    # 2. correction-coefficient gradients
+    k("correction_grads")(*per_token, (_ptr(g), _ptr(hs), _ptr(act), _ptr(stats), H, M, A), stream=stream)
+    # 3. correct-step router backward
+    k("correct_router_bwd")(*per_token, (_ptr(act), _ptr(Q), _ptr(R), _ptr(w), _ptr(stats), _ptr(gx_c),
+                                         H, M), stream=stream)
+    # 4. prediction-coefficient gradients
+    k("prediction_grads")(*per_token, (_ptr(g), _ptr(hs), _ptr(stats), H, M, A), stream=stream)
+    # 5. predict-step router backward
+    k("predict_router_bwd")(*per_token, (_ptr(hs), _ptr(P), _ptr(R), _ptr(w), _ptr(stats), _ptr(gx_p),
+                                         H, M, A), stream=stream)
+    # 6. element-wise gradients
+    k("elementwise")((-(-(tokens * slices) // V1_THREADS),), (V1_THREADS,),
+                     (_ptr(g), _ptr(stats), _ptr(gx_p), _ptr(gx_c), _ptr(grad_hs), _ptr(grad_act), H, M, A),
+                     stream=stream)
+    # 7. weight-gradient reductions: per-chunk partials, then the shared fixed-order reduction
+    chunks = min(tokens, V1_MAX_CHUNKS)
+    per_chunk = -(-tokens // chunks)
+    chunks = -(-tokens // per_chunk)
+    partials = _arrays.empty(framework, g, (chunks * partial_stride(n, hidden),), F32)
+    k("weight_grads")((-(-slices // V1_THREADS), chunks), (V1_THREADS,),
+                      (_ptr(hs), _ptr(act), _ptr(R), _ptr(w), _ptr(stats), _ptr(partials), H, M, A,
+                       numpy.int64(per_chunk)), stream=stream)
+    k("coef_grads")((n**3 + n**2, chunks), (V1_THREADS,),
+                    (_ptr(stats), _ptr(partials), H, M, numpy.int64(per_chunk)), stream=stream)
+    _reduce(partials, chunks, n, hidden, outs, stream)

@@ -1,0 +1,1170 @@
+// predict_correct_bwd.cu: the backward of AltUp's predict + correct step (SPEC.md section 2).
+//
+// Notation (per token t; N streams, H hidden, a = active index, w = norm_weight, R = router_weight,
+// P = prediction_coefs [N*N, N], Q = correction_coefs [N, N]; the derivation is written out in
+// altup_cupy/reference/predict_correct.py, whose names these kernels reuse):
+//   forward : r = rsqrt(mean(x^2)+eps), xn = x*r*w/H, m = tanh(R xn)    (x = h_a -> m_p, act -> m_c)
+//             C = P m_p, k = Q m_c + 1, pred_a = h_a + sum_j C[a][j] h_j, delta = act - pred_a
+//   backward: gd = sum_i k_i g_i, gk_i = <g_i, delta>, gpred_i = g_i - [i==a] gd,
+//             dC_ij = <gpred_i, h_j>, gz_c = (Q^T gk)(1 - m_c^2), gz_p = (P^T dC)(1 - m_p^2),
+//             gxn = R^T gz, gu = gxn*w/H, gx = r*gu - r^3 * x * <gu, x> / H,
+//             grad_h_j = gpred_j + sum_i C_ij gpred_i + [j==a] gx_p, grad_act = gd + gx_c,
+//             dR += gz (x) xn, dw += gxn * x*r / H, dP[N*i+j][l] += dC_ij m_p_l, dQ[i][l] += gk_i m_c_l.
+//
+// Versions (one line each on what changed):
+//   v1: one small kernel per derivation stage, intermediates in global scratch, any H, readable.
+//   v2: one pass: a persistent block keeps its token's 2N+1 rows in registers (prefetching the
+//       next token's), merges the per-token reductions into 3 block-reduction rounds, writes the
+//       activation gradients once with 16-byte stores and keeps per-block weight-gradient partials
+//       in registers; pc_reduce_partials sums the partials in a fixed order (no atomics).
+//   v2 (RESIDENT = false): the same kernel for large H (rows too big for registers): each phase
+//       re-reads the token's rows from global memory (L1/L2 hits after the first read).
+//   v3: one block reduction per token instead of three: every reduction v2 does in rounds 2 and 3
+//       is a linear combination of dot products of the raw rows (<g_i, h_j>, <g_i, act>, ...), so
+//       one round computes them all; several blocks per SM (no cp.async stage, S in shared memory).
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// Shared pieces
+// ---------------------------------------------------------------------------------------------
+
+// Per-block weight-gradient partial layout (floats): dR [N*H] | dw [H] | dP [N*N*N] | dQ [N*N].
+__host__ __device__ constexpr long long partial_stride(int n, int hidden) {
+    return static_cast<long long>(n + 1) * hidden + n * n * n + n * n;
+}
+
+// out[e] = sum over blocks b = 0..blocks-1 (in that order) of partials[b * stride + e], written
+// to the four fp32 weight gradients. Deterministic: a fixed summation order, no atomics.
+template <int N>
+__global__ void __launch_bounds__(256) pc_reduce_partials(
+    const float* __restrict__ partials, const int blocks, const int hidden,
+    float* __restrict__ grad_router,  // [N, H]
+    float* __restrict__ grad_norm,    // [H]
+    float* __restrict__ grad_pred,    // [N*N, N]
+    float* __restrict__ grad_corr) {  // [N, N]
+    const long long stride = partial_stride(N, hidden);
+    const long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (e >= stride) return;
+    // Four independent chains (fixed assignment b % 4) keep four loads in flight.
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    int b = 0;
+    for (; b + 4 <= blocks; b += 4) {
+        s0 += partials[(b + 0) * stride + e];
+        s1 += partials[(b + 1) * stride + e];
+        s2 += partials[(b + 2) * stride + e];
+        s3 += partials[(b + 3) * stride + e];
+    }
+    for (; b < blocks; ++b) s0 += partials[b * stride + e];
+    const float total = (s0 + s1) + (s2 + s3);
+    const long long nh = static_cast<long long>(N) * hidden;
+    if (e < nh) grad_router[e] = total;
+    else if (e < nh + hidden) grad_norm[e - nh] = total;
+    else if (e < nh + hidden + N * N * N) grad_pred[e - nh - hidden] = total;
+    else grad_corr[e - nh - hidden - N * N * N] = total;
+}
+
+// cp.async: a 16-byte global -> shared copy that bypasses registers (and L1: .cg).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+    const unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void load_row8(const uint4* p, float (&v)[kVec]) { unpack_bf16x8(__ldg(p), v); }
+
+// ---------------------------------------------------------------------------------------------
+// v1: one kernel per derivation stage
+// ---------------------------------------------------------------------------------------------
+//
+// Per-token scratch `stats` [M, TokenStats<N>::size] fp32 holds the per-token scalars of every
+// stage; the two router-backward row terms gx_p, gx_c go to fp32 scratch rows [M, H].
+template <int N>
+struct TokenStats {
+    static constexpr int r_p = 0, r_c = 1;
+    static constexpr int m_p = 2, m_c = m_p + N;
+    static constexpr int C = m_c + N, k = C + N * N;
+    static constexpr int gk = k + N, gz_c = gk + N;
+    static constexpr int dC = gz_c + N, gz_p = dC + N * N;
+    static constexpr int size = gz_p + N;
+};
+
+constexpr int kV1Threads = 256;
+
+// Stage 1, forward statistics and router outputs (one block per token):
+//   r_p, r_c, m_p = route(h_a), m_c = route(act), C = P m_p, k = Q m_c + 1.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_forward_stats(
+    const uint4* __restrict__ hs, const uint4* __restrict__ act, const unsigned short* __restrict__ P,
+    const unsigned short* __restrict__ Q, const uint4* __restrict__ R, const uint4* __restrict__ w,
+    float* __restrict__ stats, const int hidden, const long long tokens, const int a, const float eps) {
+    using S = TokenStats<N>;
+    __shared__ float scratch[32 * (2 + 2 * N)];
+    const int slices = hidden / kVec;
+    const long long t = blockIdx.x;
+    const uint4* h_a = hs + (static_cast<long long>(a) * tokens + t) * slices;
+    const uint4* x = act + t * slices;
+    float acc[2 + 2 * N];  // sum h_a^2, sum act^2, sum R_n w h_a, sum R_n w act
+#pragma unroll
+    for (int i = 0; i < 2 + 2 * N; ++i) acc[i] = 0.0f;
+    for (int s = threadIdx.x; s < slices; s += blockDim.x) {
+        float hv[kVec], xv[kVec], wv[kVec];
+        load_row8(h_a + s, hv); load_row8(x + s, xv); load_row8(w + s, wv);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) { acc[0] += hv[e] * hv[e]; acc[1] += xv[e] * xv[e]; }
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float rv[kVec];
+            load_row8(R + static_cast<long long>(n) * slices + s, rv);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                acc[2 + n] += rv[e] * wv[e] * hv[e];
+                acc[2 + N + n] += rv[e] * wv[e] * xv[e];
+            }
+        }
+    }
+    block_sum<2 + 2 * N>(acc, scratch);
+    if (threadIdx.x != 0) return;
+    const float inv_h = 1.0f / static_cast<float>(hidden);
+    const float r_p = 1.0f / sqrtf(acc[0] * inv_h + eps), r_c = 1.0f / sqrtf(acc[1] * inv_h + eps);
+    float* st = stats + t * S::size;
+    st[S::r_p] = r_p;
+    st[S::r_c] = r_c;
+    float m_p[N], m_c[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        m_p[n] = tanhf(acc[2 + n] * r_p * inv_h);
+        m_c[n] = tanhf(acc[2 + N + n] * r_c * inv_h);
+        st[S::m_p + n] = m_p[n];
+        st[S::m_c + n] = m_c[n];
+    }
+    for (int q = 0; q < N * N; ++q) {
+        float c = 0.0f;
+        for (int l = 0; l < N; ++l) c += bf16_lo(P[q * N + l]) * m_p[l];
+        st[S::C + q] = c;
+    }
+    for (int i = 0; i < N; ++i) {
+        float k = 1.0f;
+        for (int l = 0; l < N; ++l) k += bf16_lo(Q[i * N + l]) * m_c[l];
+        st[S::k + i] = k;
+    }
+}
+
+// Stage 2, correction-coefficient gradients (one block per token): gk_i = <g_i, delta>,
+// delta = act - pred_a, pred_a = h_a + sum_j C[a][j] h_j.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_correction_grads(
+    const uint4* __restrict__ grad, const uint4* __restrict__ hs, const uint4* __restrict__ act,
+    float* __restrict__ stats, const int hidden, const long long tokens, const int a) {
+    using S = TokenStats<N>;
+    __shared__ float scratch[32 * N];
+    const int slices = hidden / kVec;
+    const long long t = blockIdx.x;
+    float* st = stats + t * S::size;
+    float Ca[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) Ca[j] = st[S::C + a * N + j];
+    float gk[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) gk[i] = 0.0f;
+    for (int s = threadIdx.x; s < slices; s += blockDim.x) {
+        float delta[kVec], v[kVec];
+        load_row8(act + t * slices + s, delta);
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            load_row8(hs + (j * tokens + t) * slices + s, v);
+            const float cj = Ca[j] + (j == a ? 1.0f : 0.0f);  // pred_a = h_a + sum_j C[a][j] h_j
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) delta[e] -= cj * v[e];
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            load_row8(grad + (i * tokens + t) * slices + s, v);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gk[i] += v[e] * delta[e];
+        }
+    }
+    block_sum<N>(gk, scratch);
+    if (threadIdx.x == 0)
+        for (int i = 0; i < N; ++i) st[S::gk + i] = gk[i];
+}
+
+// Router backward for one token, shared by stages 3 and 5: given gz (already in stats), writes
+//   gx = r*gu - r^3 * x * <gu, x> / H,  gu = (R^T gz) * w / H     as an fp32 row.
+template <int N>
+__device__ __forceinline__ void v1_router_backward_row(
+    const uint4* __restrict__ x, const uint4* __restrict__ R, const uint4* __restrict__ w,
+    const float (&gz)[N], const float r, float* __restrict__ gx_row, const int hidden, float* scratch) {
+    const int slices = hidden / kVec;
+    const float inv_h = 1.0f / static_cast<float>(hidden);
+    float dot[1] = {0.0f};  // <gu, x>
+    for (int s = threadIdx.x; s < slices; s += blockDim.x) {
+        float xv[kVec], wv[kVec], gxn[kVec] = {}, rv[kVec];
+        load_row8(x + s, xv); load_row8(w + s, wv);
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            load_row8(R + static_cast<long long>(n) * slices + s, rv);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gxn[e] += rv[e] * gz[n];
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) dot[0] += gxn[e] * wv[e] * inv_h * xv[e];
+    }
+    block_sum<1>(dot, scratch);
+    const float coef = r * r * r * dot[0] * inv_h;
+    for (int s = threadIdx.x; s < slices; s += blockDim.x) {
+        float xv[kVec], wv[kVec], gxn[kVec] = {}, rv[kVec];
+        load_row8(x + s, xv); load_row8(w + s, wv);
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            load_row8(R + static_cast<long long>(n) * slices + s, rv);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gxn[e] += rv[e] * gz[n];
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gx_row[s * kVec + e] = r * gxn[e] * wv[e] * inv_h - coef * xv[e];
+    }
+}
+
+// Stage 3, correct-step router backward (one block per token): gz_c = (Q^T gk)(1 - m_c^2), gx_c.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_correct_router_bwd(
+    const uint4* __restrict__ act, const unsigned short* __restrict__ Q, const uint4* __restrict__ R,
+    const uint4* __restrict__ w, float* __restrict__ stats, float* __restrict__ gx_c,
+    const int hidden, const long long tokens) {
+    using S = TokenStats<N>;
+    __shared__ float scratch[32];
+    const int slices = hidden / kVec;
+    const long long t = blockIdx.x;
+    float* st = stats + t * S::size;
+    float gz[N];
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+        float gm = 0.0f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) gm += bf16_lo(Q[i * N + l]) * st[S::gk + i];
+        const float m = st[S::m_c + l];
+        gz[l] = gm * (1.0f - m * m);
+    }
+    __syncthreads();  // every thread has read stats before thread 0 writes gz_c
+    if (threadIdx.x == 0)
+        for (int l = 0; l < N; ++l) st[S::gz_c + l] = gz[l];
+    v1_router_backward_row<N>(act + t * slices, R, w, gz, st[S::r_c], gx_c + t * hidden, hidden, scratch);
+}
+
+// Stage 4, prediction-coefficient gradients (one block per token): dC_ij = <gpred_i, h_j>,
+// gpred_i = g_i - [i==a] gd, gd = sum_i k_i g_i.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_prediction_grads(
+    const uint4* __restrict__ grad, const uint4* __restrict__ hs, float* __restrict__ stats,
+    const int hidden, const long long tokens, const int a) {
+    using S = TokenStats<N>;
+    __shared__ float scratch[32 * N * N];
+    const int slices = hidden / kVec;
+    const long long t = blockIdx.x;
+    float* st = stats + t * S::size;
+    float k[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) k[i] = st[S::k + i];
+    float dC[N * N];
+#pragma unroll
+    for (int q = 0; q < N * N; ++q) dC[q] = 0.0f;
+    for (int s = threadIdx.x; s < slices; s += blockDim.x) {
+        float g[N][kVec], gd[kVec] = {}, hv[kVec];
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            load_row8(grad + (i * tokens + t) * slices + s, g[i]);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gd[e] += k[i] * g[i][e];
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {  // g now holds gpred (0/1 factor: `a` is a runtime value)
+            const float is_a = (i == a) ? 1.0f : 0.0f;
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) g[i][e] = fmaf(-is_a, gd[e], g[i][e]);
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            load_row8(hs + (j * tokens + t) * slices + s, hv);
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) dC[i * N + j] += g[i][e] * hv[e];
+        }
+    }
+    block_sum<N * N>(dC, scratch);
+    if (threadIdx.x == 0)
+        for (int q = 0; q < N * N; ++q) st[S::dC + q] = dC[q];
+}
+
+// Stage 5, predict-step router backward (one block per token): gz_p = (P^T dC)(1 - m_p^2), gx_p.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_predict_router_bwd(
+    const uint4* __restrict__ hs, const unsigned short* __restrict__ P, const uint4* __restrict__ R,
+    const uint4* __restrict__ w, float* __restrict__ stats, float* __restrict__ gx_p,
+    const int hidden, const long long tokens, const int a) {
+    using S = TokenStats<N>;
+    __shared__ float scratch[32];
+    const int slices = hidden / kVec;
+    const long long t = blockIdx.x;
+    float* st = stats + t * S::size;
+    float gz[N];
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+        float gm = 0.0f;
+#pragma unroll
+        for (int q = 0; q < N * N; ++q) gm += bf16_lo(P[q * N + l]) * st[S::dC + q];
+        const float m = st[S::m_p + l];
+        gz[l] = gm * (1.0f - m * m);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int l = 0; l < N; ++l) st[S::gz_p + l] = gz[l];
+    v1_router_backward_row<N>(hs + (a * tokens + t) * slices, R, w, gz, st[S::r_p], gx_p + t * hidden,
+                              hidden, scratch);
+}
+
+// Stage 6, element-wise gradients (one thread per 8-element slice of one token):
+//   grad_h_j = gpred_j + sum_i C_ij gpred_i + [j==a] gx_p,  grad_act = gd + gx_c.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_elementwise(
+    const uint4* __restrict__ grad, const float* __restrict__ stats, const float* __restrict__ gx_p,
+    const float* __restrict__ gx_c, uint4* __restrict__ grad_hs, uint4* __restrict__ grad_act,
+    const int hidden, const long long tokens, const int a) {
+    using S = TokenStats<N>;
+    const int slices = hidden / kVec;
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= tokens * slices) return;
+    const long long t = idx / slices;
+    const float* st = stats + t * S::size;
+    float gpred[N][kVec], gd[kVec] = {};
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        load_row8(grad + i * tokens * slices + idx, gpred[i]);
+        const float k = st[S::k + i];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gd[e] += k * gpred[i][e];
+    }
+    // gpred_i = g_i - [i==a] gd. (`a` is a runtime value: a 0/1 factor, not `if (i == a)`, which
+    // the compiler may turn into a runtime index into gpred and so into local memory.)
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float is_a = (i == a) ? 1.0f : 0.0f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gpred[i][e] = fmaf(-is_a, gd[e], gpred[i][e]);
+    }
+    const float* gxp = gx_p + idx * kVec;
+    const float* gxc = gx_c + idx * kVec;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        float out[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            float v = gpred[j][e];
+#pragma unroll
+            for (int i = 0; i < N; ++i) v += st[S::C + i * N + j] * gpred[i][e];
+            out[e] = (j == a) ? v + gxp[e] : v;
+        }
+        grad_hs[j * tokens * slices + idx] = pack_bf16x8(out);
+    }
+    float out[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out[e] = gd[e] + gxc[e];
+    grad_act[idx] = pack_bf16x8(out);
+}
+
+// Stage 7a, router and norm weight gradients: block (x = slice group, y = token chunk) sums over
+// its tokens in order and writes one partial row (layout of partial_stride):
+//   dR[n] += gz_p[n] xn_p + gz_c[n] xn_c,  dw += (gxn_p u_p + gxn_c u_c) / H,  gxn = R^T gz.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_weight_grads(
+    const uint4* __restrict__ hs, const uint4* __restrict__ act, const uint4* __restrict__ R,
+    const uint4* __restrict__ w, const float* __restrict__ stats, float* __restrict__ partials,
+    const int hidden, const long long tokens, const int a, const long long tokens_per_chunk) {
+    using S = TokenStats<N>;
+    const int slices = hidden / kVec;
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= slices) return;
+    const long long first = blockIdx.y * tokens_per_chunk;
+    const long long last = min(tokens, first + tokens_per_chunk);
+    float rv[N][kVec], wv[kVec];
+#pragma unroll
+    for (int n = 0; n < N; ++n) load_row8(R + static_cast<long long>(n) * slices + s, rv[n]);
+    load_row8(w + s, wv);
+    float dR[N][kVec] = {}, dw[kVec] = {};
+    const float inv_h = 1.0f / static_cast<float>(hidden);
+    for (long long t = first; t < last; ++t) {
+        const float* st = stats + t * S::size;
+        float hv[kVec], xv[kVec];
+        load_row8(hs + (a * tokens + t) * slices + s, hv);
+        load_row8(act + t * slices + s, xv);
+        const float r_p = st[S::r_p], r_c = st[S::r_c];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            const float u_p = hv[e] * r_p, u_c = xv[e] * r_c;
+            const float xn_p = u_p * wv[e] * inv_h, xn_c = u_c * wv[e] * inv_h;
+            float gxn_p = 0.0f, gxn_c = 0.0f;
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                const float gzp = st[S::gz_p + n], gzc = st[S::gz_c + n];
+                dR[n][e] += gzp * xn_p + gzc * xn_c;
+                gxn_p += rv[n][e] * gzp;
+                gxn_c += rv[n][e] * gzc;
+            }
+            dw[e] += (gxn_p * u_p + gxn_c * u_c) * inv_h;
+        }
+    }
+    float* out = partials + blockIdx.y * partial_stride(N, hidden);
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[static_cast<long long>(n) * hidden + s * kVec + e] = dR[n][e];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out[static_cast<long long>(N) * hidden + s * kVec + e] = dw[e];
+}
+
+// Stage 7b, coefficient weight gradients: block (x = entry, y = token chunk) sums one entry of
+//   dP[N*i+j][l] = sum_t dC_ij m_p_l   or   dQ[i][l] = sum_t gk_i m_c_l   over its tokens.
+template <int N>
+__global__ void __launch_bounds__(kV1Threads) pc_v1_coef_grads(
+    const float* __restrict__ stats, float* __restrict__ partials, const int hidden,
+    const long long tokens, const long long tokens_per_chunk) {
+    using S = TokenStats<N>;
+    __shared__ float scratch[32];
+    const int entry = blockIdx.x;  // 0 .. N^3 + N^2 - 1
+    int lhs, rhs;
+    if (entry < N * N * N) { lhs = S::dC + entry / N; rhs = S::m_p + entry % N; }
+    else { const int q = entry - N * N * N; lhs = S::gk + q / N; rhs = S::m_c + q % N; }
+    const long long first = blockIdx.y * tokens_per_chunk;
+    const long long last = min(tokens, first + tokens_per_chunk);
+    float acc[1] = {0.0f};
+    for (long long t = first + threadIdx.x; t < last; t += blockDim.x)
+        acc[0] += stats[t * S::size + lhs] * stats[t * S::size + rhs];
+    block_sum<1>(acc, scratch);
+    if (threadIdx.x == 0)
+        partials[blockIdx.y * partial_stride(N, hidden) + static_cast<long long>(N + 1) * hidden + entry] = acc[0];
+}
+
+// ---------------------------------------------------------------------------------------------
+// v2: one fused pass
+// ---------------------------------------------------------------------------------------------
+//
+// Grid: a persistent grid of G blocks; block b handles tokens b, b+G, b+2G, ... Thread x owns the
+// 8-element slices x, x + blockDim.x, ..., x + (SLICES-1) * blockDim.x of every row.
+// RESIDENT: the token's 2N+1 rows live in registers as packed bf16 (and the next token's rows are
+// prefetched while this one is computed); router and norm weight slices stay in registers.
+// Otherwise (large H) each phase re-reads its rows through L1/L2.
+// Per-block partials (layout of partial_stride) are written once at the end.
+// The active index A is a template parameter: every selection of stream A is then resolved at
+// compile time (a runtime index into a register array would move the array to local memory).
+// Weight-gradient accumulators live in dynamic shared memory (registers are for the rows): thread x
+// owns the words [(q * kVec + e) * blockDim.x + x] for q = n * SLICES + c (dR_n, slice c) and
+// q = N * SLICES + c (dw, slice c): consecutive threads, consecutive banks. Host: smem bytes =
+// (N + 1) * SLICES * kVec * blockDim.x * 4.
+// Launch bounds: 320 threads (one 8-element slice each: H <= 2560) keep the resident rows of
+// N <= 3 within ptxas' 168-register cap; N = 4 needs the 255-register cap of 256 threads.
+template <int N, bool RESIDENT>
+struct V2Config {
+    static constexpr int max_threads = (RESIDENT && N <= 3) ? 320 : 256;
+};
+
+template <int N, int A, int SLICES, bool RESIDENT>
+__global__ void __launch_bounds__(V2Config<N, RESIDENT>::max_threads, 1)
+pc_v2_fused(const uint4* __restrict__ grad, const uint4* __restrict__ hs, const uint4* __restrict__ act,
+            const unsigned short* __restrict__ P_bf16, const unsigned short* __restrict__ Q_bf16,
+            const uint4* __restrict__ R, const uint4* __restrict__ w,
+            uint4* __restrict__ grad_hs, uint4* __restrict__ grad_act, float* __restrict__ partials,
+            const int hidden, const long long tokens, const float eps) {
+    constexpr int a = A;
+    constexpr int ROWS = 2 * N + 1;
+    constexpr int NCOEF = N * N * N + N * N;  // dP entries then dQ entries
+    constexpr int NR1 = 2 + 2 * N, NR2 = N + N * N;
+    __shared__ float scratch[32 * (NR1 > NR2 ? NR1 : NR2)];
+    __shared__ float P[N * N * N], Q[N * N];
+    __shared__ float tok[N * N + N + N + N];  // this token's dC | gk | m_p | m_c, for the coef partials
+
+    const int slices = hidden / kVec;
+    const long long slices_ll = slices;
+    const long long stream_stride = tokens * slices_ll;  // in slices; 64-bit
+    const float inv_h = 1.0f / static_cast<float>(hidden);
+
+    for (int i = threadIdx.x; i < N * N * N; i += blockDim.x) P[i] = bf16_lo(P_bf16[i]);
+    for (int i = threadIdx.x; i < N * N; i += blockDim.x) Q[i] = bf16_lo(Q_bf16[i]);
+    // (the __syncthreads at the start of the first block_sum orders these writes before use)
+
+    extern __shared__ __align__(16) float acc_smem[];  // accumulators, then the prefetch stage
+    // Slice c of this thread (computed, not stored: the c loops are not unrolled).
+    auto slice_of = [&](int c) -> int { return threadIdx.x + c * blockDim.x; };
+    auto valid_of = [&](int c) -> bool { return slice_of(c) < slices; };
+
+    // Router and norm weight slices (packed bf16), cached across tokens when resident.
+    constexpr bool CACHE_RW = false;  // (registers are better spent on the rows; R and w hit L1)
+    uint4 Rc[CACHE_RW ? N : 1][SLICES], wc[SLICES];
+    if (CACHE_RW) {
+#pragma unroll 1
+        for (int c = 0; c < SLICES; ++c) {
+            wc[c] = valid_of(c) ? __ldg(w + slice_of(c)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int n = 0; n < (CACHE_RW ? N : 1); ++n)
+                Rc[n][c] = valid_of(c) ? __ldg(R + n * slices_ll + slice_of(c)) : make_uint4(0, 0, 0, 0);
+        }
+    }
+    auto load_R = [&](int n, int c) -> uint4 {
+        if (CACHE_RW) return Rc[CACHE_RW ? n : 0][c];
+        return valid_of(c) ? __ldg(R + n * slices_ll + slice_of(c)) : make_uint4(0, 0, 0, 0);
+    };
+    auto load_w = [&](int c) -> uint4 {
+        if (CACHE_RW) return wc[c];
+        return valid_of(c) ? __ldg(w + slice_of(c)) : make_uint4(0, 0, 0, 0);
+    };
+
+    // Row r of token t, slice c: r < N -> g_r, r < 2N -> h_{r-N}, r == 2N -> act.
+    auto row_ptr = [&](int r, long long t, int c) -> const uint4* {
+        if (r < N) return grad + r * stream_stride + t * slices_ll + slice_of(c);
+        if (r < 2 * N) return hs + (r - N) * stream_stride + t * slices_ll + slice_of(c);
+        return act + t * slices_ll + slice_of(c);
+    };
+    // RESIDENT: the token's rows live on chip in a double-buffered shared-memory stage filled by
+    // cp.async (global -> shared, no registers): the next token's rows are in flight while this
+    // one is computed. Each thread copies, and later reads, only its own 16-byte slots
+    // stage[buf][(r * SLICES + c) * blockDim.x + x], so a per-thread wait suffices (no barrier).
+    uint4* stage = reinterpret_cast<uint4*>(acc_smem + (N + 1) * SLICES * kVec * blockDim.x);
+    const int stage_size = ROWS * SLICES * blockDim.x;  // uint4 per buffer
+    int buf = 0;
+    auto prefetch = [&](long long t, int into) {
+#pragma unroll
+        for (int r = 0; r < (RESIDENT ? ROWS : 1); ++r)
+#pragma unroll 1
+            for (int c = 0; c < SLICES; ++c)
+                if (valid_of(c))
+                    cp_async16(stage + into * stage_size + (r * SLICES + c) * blockDim.x + threadIdx.x,
+                               row_ptr(r, t, c));
+        cp_async_commit();
+    };
+    // The row as 8 floats: from the stage when resident, else from memory (L1/L2 after the first).
+    auto row = [&](int r, long long t, int c, float (&v)[kVec]) {
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (valid_of(c))
+            raw = RESIDENT ? stage[buf * stage_size + (r * SLICES + c) * blockDim.x + threadIdx.x]
+                           : __ldg(row_ptr(r, t, c));
+        unpack_bf16x8(raw, v);
+    };
+
+    auto row_ha = [&](long long t, int c, float (&v)[kVec]) { row(N + A, t, c, v); };
+
+    // Per-block weight-gradient partials.
+    auto acc = [&](int q, int e) -> float& { return acc_smem[(q * kVec + e) * blockDim.x + threadIdx.x]; };
+#pragma unroll
+    for (int q = 0; q < (N + 1) * SLICES; ++q)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc(q, e) = 0.0f;
+    float coef_acc = 0.0f;  // thread i < NCOEF owns entry i of dP | dQ
+    int coef_lhs = 0, coef_rhs = 0;
+    if (threadIdx.x < N * N * N) { coef_lhs = threadIdx.x / N; coef_rhs = N * N + N + threadIdx.x % N; }
+    else if (threadIdx.x < NCOEF) {
+        const int q = threadIdx.x - N * N * N;
+        coef_lhs = N * N + q / N; coef_rhs = N * N + 2 * N + q % N;
+    }
+
+    const long long stride = gridDim.x;
+    long long t = blockIdx.x;
+    if (RESIDENT && t < tokens) { prefetch(t, 0); cp_async_wait_all(); }
+    for (; t < tokens; t += stride) {
+        if (RESIDENT) {
+            if (t + stride < tokens) prefetch(t + stride, buf ^ 1);  // in flight during this token
+        }
+
+        // ---- round 1: sum h_a^2, sum act^2, sum R_n w h_a, sum R_n w act
+        float r1[NR1];
+#pragma unroll
+        for (int i = 0; i < NR1; ++i) r1[i] = 0.0f;
+#pragma unroll 1
+        for (int c = 0; c < SLICES; ++c) {
+            float hv[kVec], xv[kVec], wv[kVec];
+            row_ha(t, c, hv);
+            row(2 * N, t, c, xv);
+            unpack_bf16x8(load_w(c), wv);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) { r1[0] = fmaf(hv[e], hv[e], r1[0]); r1[1] = fmaf(xv[e], xv[e], r1[1]); }
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                float rv[kVec];
+                unpack_bf16x8(load_R(n, c), rv);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    const float rw = rv[e] * wv[e];
+                    r1[2 + n] = fmaf(rw, hv[e], r1[2 + n]);
+                    r1[2 + N + n] = fmaf(rw, xv[e], r1[2 + N + n]);
+                }
+            }
+        }
+        block_sum<NR1>(r1, scratch);
+        const float r_p = 1.0f / sqrtf(r1[0] * inv_h + eps), r_c = 1.0f / sqrtf(r1[1] * inv_h + eps);
+        float m_p[N], m_c[N], C[N * N], k[N];
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            m_p[n] = tanhf(r1[2 + n] * r_p * inv_h);
+            m_c[n] = tanhf(r1[2 + N + n] * r_c * inv_h);
+        }
+#pragma unroll
+        for (int q = 0; q < N * N; ++q) {
+            float s = 0.0f;
+#pragma unroll
+            for (int l = 0; l < N; ++l) s = fmaf(P[q * N + l], m_p[l], s);
+            C[q] = s;
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            float s = 1.0f;
+#pragma unroll
+            for (int l = 0; l < N; ++l) s = fmaf(Q[i * N + l], m_c[l], s);
+            k[i] = s;
+        }
+        // pred_a = sum_j Ca[j] h_j with Ca[j] = C[a][j] + [j==a]
+        float Ca[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) Ca[j] = C[A * N + j] + (j == A ? 1.0f : 0.0f);
+
+        // ---- round 2: gk_i = <g_i, delta>, dC_ij = <gpred_i, h_j>
+        float r2[NR2];
+#pragma unroll
+        for (int i = 0; i < NR2; ++i) r2[i] = 0.0f;
+#pragma unroll 1
+        for (int c = 0; c < SLICES; ++c) {
+            float g[N][kVec], gd[kVec], delta[kVec];
+            row(2 * N, t, c, delta);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                row(i, t, c, g[i]);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
+            }
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                float hv[kVec];
+                row(N + j, t, c, hv);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) delta[e] = fmaf(-Ca[j], hv[e], delta[e]);
+            }
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) r2[i] = fmaf(g[i][e], delta[e], r2[i]);
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+                if (i == a)
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) g[i][e] -= gd[e];  // g_i -> gpred_i
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                float hv[kVec];
+                row(N + j, t, c, hv);
+#pragma unroll
+                for (int i = 0; i < N; ++i)
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) r2[N + i * N + j] = fmaf(g[i][e], hv[e], r2[N + i * N + j]);
+            }
+        }
+        block_sum<NR2>(r2, scratch);
+        // gz_c = (Q^T gk)(1 - m_c^2), gz_p = (P^T dC)(1 - m_p^2)
+        float gz_c[N], gz_p[N];
+#pragma unroll
+        for (int l = 0; l < N; ++l) {
+            float gm_c = 0.0f, gm_p = 0.0f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) gm_c = fmaf(Q[i * N + l], r2[i], gm_c);
+#pragma unroll
+            for (int q = 0; q < N * N; ++q) gm_p = fmaf(P[q * N + l], r2[N + q], gm_p);
+            gz_c[l] = gm_c * (1.0f - m_c[l] * m_c[l]);
+            gz_p[l] = gm_p * (1.0f - m_p[l] * m_p[l]);
+        }
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int q = 0; q < N * N; ++q) tok[q] = r2[N + q];
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                tok[N * N + i] = r2[i];
+                tok[N * N + N + i] = m_p[i];
+                tok[N * N + 2 * N + i] = m_c[i];
+            }
+        }
+
+        // ---- round 3: s_p = <gu_p, h_a>, s_c = <gu_c, act>, gu = (R^T gz) w / H
+        float r3[2] = {0.0f, 0.0f};
+#pragma unroll 1
+        for (int c = 0; c < SLICES; ++c) {
+            float hv[kVec], xv[kVec], wv[kVec];
+            row_ha(t, c, hv);
+            row(2 * N, t, c, xv);
+            unpack_bf16x8(load_w(c), wv);
+            float gxn_p[kVec], gxn_c[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) { gxn_p[e] = 0.0f; gxn_c[e] = 0.0f; }
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                float rv[kVec];
+                unpack_bf16x8(load_R(n, c), rv);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    gxn_p[e] = fmaf(rv[e], gz_p[n], gxn_p[e]);
+                    gxn_c[e] = fmaf(rv[e], gz_c[n], gxn_c[e]);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                r3[0] = fmaf(gxn_p[e] * wv[e], hv[e], r3[0]);
+                r3[1] = fmaf(gxn_c[e] * wv[e], xv[e], r3[1]);
+            }
+        }
+        block_sum<2>(r3, scratch);  // its barriers also publish tok[] (written by thread 0 above)
+        if (threadIdx.x < NCOEF) coef_acc = fmaf(tok[coef_lhs], tok[coef_rhs], coef_acc);
+        // gx = r gu - r^3 x <gu, x> / H, with <gu, x> = r3 / H
+        const float coef_p = r_p * r_p * r_p * r3[0] * inv_h * inv_h;
+        const float coef_c = r_c * r_c * r_c * r3[1] * inv_h * inv_h;
+        const float rp_h = r_p * inv_h, rc_h = r_c * inv_h;
+
+        // ---- element-wise outputs and the weight-gradient partials
+#pragma unroll 1
+        for (int c = 0; c < SLICES; ++c) {
+            float hv[kVec], xv[kVec], wv[kVec];
+            row_ha(t, c, hv);
+            row(2 * N, t, c, xv);
+            unpack_bf16x8(load_w(c), wv);
+            float gxn_p[kVec], gxn_c[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) { gxn_p[e] = 0.0f; gxn_c[e] = 0.0f; }
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                float rv[kVec];
+                unpack_bf16x8(load_R(n, c), rv);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    gxn_p[e] = fmaf(rv[e], gz_p[n], gxn_p[e]);
+                    gxn_c[e] = fmaf(rv[e], gz_c[n], gxn_c[e]);
+                }
+            }
+            float gx_p[kVec], gx_c[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                // gu = gxn w / H; gx = r gu - coef x
+                gx_p[e] = fmaf(rp_h * gxn_p[e], wv[e], -coef_p * hv[e]);
+                gx_c[e] = fmaf(rc_h * gxn_c[e], wv[e], -coef_c * xv[e]);
+                // xn = x r w / H; dR_n += gz_p[n] xn_p + gz_c[n] xn_c
+                const float xn_p = hv[e] * rp_h * wv[e], xn_c = xv[e] * rc_h * wv[e];
+#pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    float& dR = acc(n * SLICES + c, e);
+                    dR = fmaf(gz_p[n], xn_p, fmaf(gz_c[n], xn_c, dR));
+                }
+                // dw += (gxn_p u_p + gxn_c u_c) / H with u = x r
+                float& dw = acc(N * SLICES + c, e);
+                dw = fmaf(gxn_p[e] * hv[e], rp_h, fmaf(gxn_c[e] * xv[e], rc_h, dw));
+            }
+            if (valid_of(c)) {
+                float g[N][kVec], gd[kVec];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    row(i, t, c, g[i]);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
+                }
+#pragma unroll
+                for (int i = 0; i < N; ++i)
+                    if (i == a)
+#pragma unroll
+                        for (int e = 0; e < kVec; ++e) g[i][e] -= gd[e];  // gpred
+                const long long out_slice = t * slices_ll + slice_of(c);
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    float o[kVec];
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) {
+                        float v = g[j][e];
+#pragma unroll
+                        for (int i = 0; i < N; ++i) v = fmaf(C[i * N + j], g[i][e], v);
+                        o[e] = (j == a) ? v + gx_p[e] : v;
+                    }
+                    __stcs(grad_hs + j * stream_stride + out_slice, pack_bf16x8(o));
+                }
+                float o[kVec];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) o[e] = gd[e] + gx_c[e];
+                __stcs(grad_act + out_slice, pack_bf16x8(o));
+            }
+        }
+
+        if (RESIDENT) { cp_async_wait_all(); buf ^= 1; }
+    }
+
+    // ---- this block's partials
+    float* out = partials + blockIdx.x * partial_stride(N, hidden);
+#pragma unroll 1
+    for (int c = 0; c < SLICES; ++c) {
+        if (!valid_of(c)) continue;
+        const long long e0 = static_cast<long long>(slice_of(c)) * kVec;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float4* p = reinterpret_cast<float4*>(out + n * static_cast<long long>(hidden) + e0);
+            const int q = n * SLICES + c;
+            p[0] = make_float4(acc(q, 0), acc(q, 1), acc(q, 2), acc(q, 3));
+            p[1] = make_float4(acc(q, 4), acc(q, 5), acc(q, 6), acc(q, 7));
+        }
+        float4* p = reinterpret_cast<float4*>(out + N * static_cast<long long>(hidden) + e0);
+        const int q = N * SLICES + c;
+        p[0] = make_float4(acc(q, 0), acc(q, 1), acc(q, 2), acc(q, 3));
+        p[1] = make_float4(acc(q, 4), acc(q, 5), acc(q, 6), acc(q, 7));
+    }
+    if (threadIdx.x < NCOEF) out[static_cast<long long>(N + 1) * hidden + threadIdx.x] = coef_acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// v3: one block reduction per token
+// ---------------------------------------------------------------------------------------------
+//
+// Every per-token reduction of v2's three rounds is a linear combination of dot products of the
+// raw rows, which one round can produce together:
+//   ss_a = <h_a, h_a>, ss_c = <act, act>, Ap_n = sum_d R[n,d] w_d h_a[d], Ac_n = (same, act),
+//   G_ij = <g_i, h_j>, Gc_i = <g_i, act>.
+// From them (all exact algebra, derived in notebook 02):
+//   gk_i     = <g_i, delta>  = Gc_i - G_ia - sum_j C_aj G_ij
+//   <gd,h_j> = sum_l k_l G_lj,   dC_ij = G_ij - [i==a] <gd,h_j>
+//   <gu_p,h_a> = (1/H) sum_n gz_p[n] Ap_n,   <gu_c,act> = (1/H) sum_n gz_c[n] Ac_n
+// and the element-wise gradients are fixed linear maps of the token's rows:
+//   grad_h_j = sum_l B_jl g_l + [j==a] gx_p,   B_jl = (d_lj + C_lj) - (d_aj + C_aj) k_l
+//   grad_act = sum_l k_l g_l + gx_c,           gx = w * (R^T alpha) - beta * x,
+//   alpha_n = r gz_n / H,  beta = r^3 <gu, x> / H.
+// The router and norm-weight gradients need one [N, H] accumulator per block,
+//   S[n,d] += r_p gz_p[n] h_a[d] + r_c gz_c[n] act[d],
+// since dR[n,d] = w_d S[n,d] / H and dw[d] = sum_n R[n,d] S[n,d] / H.
+// So a token costs one pass over its rows and one block reduction of 2 + 2N + N^2 + N values;
+// warp 0 turns the totals into the N^2 + 5N + 2 coefficients above and broadcasts them through
+// shared memory. Blocks are persistent (several per SM; block b takes tokens b, b + G, ...).
+// RESIDENT keeps the token's rows in registers between the reduction and the output pass;
+// otherwise (H > 4096) the output pass reads them again (L1/L2 hits).
+
+template <int N>
+struct V3Layout {
+    // reduced values
+    static constexpr int kSsA = 0, kSsC = 1, kAp = 2, kAc = 2 + N, kG = 2 + 2 * N, kGc = 2 + 2 * N + N * N;
+    static constexpr int kValues = 2 + 3 * N + N * N;
+    // broadcast coefficients
+    static constexpr int kB = 0, kK = N * N, kAlphaP = kK + N, kAlphaC = kAlphaP + N, kBetaP = kAlphaC + N,
+                         kBetaC = kBetaP + 1, kSigmaP = kBetaC + 1, kSigmaC = kSigmaP + N;
+    static constexpr int kCoefs = kSigmaC + N;
+    // per-block coefficient-gradient entries: dP (N^3) then dQ (N^2), spread over warp 0's lanes
+    static constexpr int kCoefGrads = N * N * N + N * N;
+    static constexpr int kCoefGradsPerLane = (kCoefGrads + 31) / 32;
+};
+
+// The token's rows of one 8-element slice, packed bf16 (4 registers per row).
+template <int N>
+struct V3Rows {
+    uint4 g[N];
+    uint4 h[N];
+    uint4 act;
+};
+
+// LAST_USE: read-once data is loaded evict-first; a first read that will be repeated (the
+// non-resident pass 1) is loaded normally so that the second read hits L1.
+template <int N, bool LAST_USE>
+__device__ __forceinline__ void v3_load(V3Rows<N>& rows, const uint4* __restrict__ grad, const uint4* __restrict__ hs,
+                                        const uint4* __restrict__ act, long long token_slice, long long stream_stride) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) rows.g[i] = LAST_USE ? __ldcs(grad + i * stream_stride + token_slice) : __ldg(grad + i * stream_stride + token_slice);
+#pragma unroll
+    for (int i = 0; i < N; ++i) rows.h[i] = LAST_USE ? __ldcs(hs + i * stream_stride + token_slice) : __ldg(hs + i * stream_stride + token_slice);
+    rows.act = LAST_USE ? __ldcs(act + token_slice) : __ldg(act + token_slice);
+}
+
+// Per-token scalars in shared memory, written by warp 0 in stages (lanes in parallel, each lane
+// holding a few values, so the rows the other warps keep in registers are not crowded out).
+template <int N>
+struct V3Scalars {
+    float m_p[N], m_c[N], C[N * N], k[N], gk[N], gd_h[N], dC[N * N], gz_p[N], gz_c[N];
+};
+
+__device__ __forceinline__ float bf16_load(const unsigned short* p, int i) {
+    return __uint_as_float(static_cast<unsigned int>(__ldg(p + i)) << 16);
+}
+
+// Warp 0 turns one token's reduced values into the broadcast coefficients, and adds this
+// token's contribution to the coefficient gradients owned by each lane.
+template <int N, int A>
+__device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3Scalars<N>& sc, float* __restrict__ coefs,
+                                                 const unsigned short* __restrict__ P, const unsigned short* __restrict__ Q,
+                                                 float inv_h, float eps, float (&coef_grads)[V3Layout<N>::kCoefGradsPerLane]) {
+    using L = V3Layout<N>;
+    const int lane = threadIdx.x & 31;
+    const float r_p = rsqrtf(t[L::kSsA] * inv_h + eps);
+    const float r_c = rsqrtf(t[L::kSsC] * inv_h + eps);
+    const float* G = t + L::kG;  // G[i * N + j] = <g_i, h_j>
+    // 1. router outputs m = tanh(R xn)
+    if (lane < N) sc.m_p[lane] = tanhf(r_p * t[L::kAp + lane] * inv_h);
+    else if (lane < 2 * N) sc.m_c[lane - N] = tanhf(r_c * t[L::kAc + lane - N] * inv_h);
+    __syncwarp();
+    // 2. C = P m_p (as [N][N]) and k = Q m_c + 1
+    if (lane < N * N) {
+        float c = 0.0f;
+        for (int l = 0; l < N; ++l) c = fmaf(bf16_load(P, lane * N + l), sc.m_p[l], c);
+        sc.C[lane] = c;
+    } else if (lane < N * N + N) {
+        const int i = lane - N * N;
+        float kk = 1.0f;
+        for (int l = 0; l < N; ++l) kk = fmaf(bf16_load(Q, i * N + l), sc.m_c[l], kk);
+        sc.k[i] = kk;
+    }
+    __syncwarp();
+    // 3. gk_i = <g_i, delta> and <gd, h_j>
+    if (lane < N) {
+        const int i = lane;
+        float v = t[L::kGc + i] - G[i * N + A];
+        for (int j = 0; j < N; ++j) v = fmaf(-sc.C[A * N + j], G[i * N + j], v);
+        sc.gk[i] = v;
+    } else if (lane < 2 * N) {
+        const int j = lane - N;
+        float v = 0.0f;
+        for (int l = 0; l < N; ++l) v = fmaf(sc.k[l], G[l * N + j], v);
+        sc.gd_h[j] = v;
+    }
+    __syncwarp();
+    // 4. dC_ij = <gpred_i, h_j>
+    if (lane < N * N) sc.dC[lane] = G[lane] - (lane / N == A ? sc.gd_h[lane % N] : 0.0f);
+    __syncwarp();
+    // 5. through tanh: gz_c = (Q^T gk)(1 - m_c^2), gz_p = (P^T dC)(1 - m_p^2)
+    if (lane < N) {
+        const int l = lane;
+        float gm = 0.0f;
+        for (int i = 0; i < N; ++i) gm = fmaf(bf16_load(Q, i * N + l), sc.gk[i], gm);
+        sc.gz_c[l] = gm * (1.0f - sc.m_c[l] * sc.m_c[l]);
+    } else if (lane < 2 * N) {
+        const int l = lane - N;
+        float gm = 0.0f;
+        for (int ij = 0; ij < N * N; ++ij) gm = fmaf(bf16_load(P, ij * N + l), sc.dC[ij], gm);
+        sc.gz_p[l] = gm * (1.0f - sc.m_p[l] * sc.m_p[l]);
+    }
+    __syncwarp();
+    // 6. coefficient gradients: dP[N*i+j][l] += dC_ij m_p[l], dQ[i][l] += gk_i m_c[l]
+#pragma unroll
+    for (int slot = 0; slot < L::kCoefGradsPerLane; ++slot) {
+        const int e = slot * 32 + lane;
+        if (e < N * N * N) coef_grads[slot] += sc.dC[e / N] * sc.m_p[e % N];
+        else if (e < L::kCoefGrads) coef_grads[slot] += sc.gk[(e - N * N * N) / N] * sc.m_c[(e - N * N * N) % N];
+    }
+    // 7. the broadcast coefficients
+    for (int c = lane; c < L::kCoefs; c += 32) {
+        float value;
+        if (c < L::kK) {  // B[j][l] = (d_lj + C_lj) - (d_aj + C_aj) k_l
+            const int j = c / N, l = c % N;
+            value = ((l == j ? 1.0f : 0.0f) + sc.C[l * N + j]) - ((A == j ? 1.0f : 0.0f) + sc.C[A * N + j]) * sc.k[l];
+        } else if (c < L::kAlphaP) {
+            value = sc.k[c - L::kK];
+        } else if (c < L::kAlphaC) {
+            value = r_p * sc.gz_p[c - L::kAlphaP] * inv_h;
+        } else if (c < L::kBetaP) {
+            value = r_c * sc.gz_c[c - L::kAlphaC] * inv_h;
+        } else if (c < L::kSigmaP) {  // beta = r^3 <gu, x> / H,  <gu, x> = (1/H) sum_n gz_n (R w x)_n
+            const bool predict = c == L::kBetaP;
+            const float r = predict ? r_p : r_c;
+            float gu = 0.0f;
+            for (int n = 0; n < N; ++n)
+                gu = fmaf(predict ? sc.gz_p[n] : sc.gz_c[n], t[(predict ? L::kAp : L::kAc) + n], gu);
+            value = r * r * r * gu * inv_h * inv_h;
+        } else if (c < L::kSigmaC) {
+            value = r_p * sc.gz_p[c - L::kSigmaP];
+        } else {
+            value = r_c * sc.gz_c[c - L::kSigmaC];
+        }
+        coefs[c] = value;
+    }
+}
+
+template <int N, int A, int SLICES, bool RESIDENT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3_fused(
+    const uint4* __restrict__ grad,      // [N, M, H] bf16
+    const uint4* __restrict__ hs,        // [N, M, H] bf16
+    const uint4* __restrict__ act,       // [M, H] bf16
+    const unsigned short* __restrict__ P,  // [N*N, N] bf16
+    const unsigned short* __restrict__ Q,  // [N, N] bf16
+    const uint4* __restrict__ router,    // [N, H] bf16
+    const uint4* __restrict__ norm,      // [H] bf16
+    uint4* __restrict__ grad_hs,         // [N, M, H] bf16
+    uint4* __restrict__ grad_act,        // [M, H] bf16
+    float* __restrict__ partials,        // [gridDim.x, partial_stride(N, H)] fp32
+    const int hidden, const long long tokens, const float eps) {
+    using L = V3Layout<N>;
+    constexpr int KEEP = RESIDENT ? SLICES : 1;  // slices of rows held in registers
+    extern __shared__ float S[];                 // [N][SLICES][8][blockDim.x]: this block's S
+    __shared__ float scratch[L::kValues][33];    // per-warp partial sums (+1: no bank conflicts)
+    __shared__ float totals[L::kValues];
+    __shared__ float coefs[L::kCoefs];
+    __shared__ V3Scalars<N> token_scalars;
+
+    const int slices = hidden / kVec;
+    const long long stream_stride = tokens * slices;  // in 16-byte slices; can pass 2^31
+    const float inv_h = 1.0f / static_cast<float>(hidden);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    auto s_at = [&](int n, int c, int e) -> float& { return S[((n * SLICES + c) * kVec + e) * blockDim.x + threadIdx.x]; };
+
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int c = 0; c < SLICES; ++c)
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) s_at(n, c, e) = 0.0f;
+    float coef_grads[L::kCoefGradsPerLane];
+#pragma unroll
+    for (int i = 0; i < L::kCoefGradsPerLane; ++i) coef_grads[i] = 0.0f;
+
+    V3Rows<N> rows[KEEP];
+    for (long long token = blockIdx.x; token < tokens; token += gridDim.x) {
+        const long long token_slice0 = token * slices;
+        // ---- pass 1: the 2 + 3N + N^2 dot products of the raw rows (kept packed: bf16_at)
+        float v[L::kValues];
+#pragma unroll
+        for (int i = 0; i < L::kValues; ++i) v[i] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < SLICES; ++c) {
+            const int slice = threadIdx.x + c * blockDim.x;
+            if (slice >= slices) continue;
+            V3Rows<N>& r = rows[RESIDENT ? c : 0];
+            v3_load<N, RESIDENT>(r, grad, hs, act, token_slice0 + slice, stream_stride);
+            uint4 rn[N];
+#pragma unroll
+            for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);
+            const uint4 wn = __ldg(norm + slice);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e), we = bf16_at(wn, e);
+                v[L::kSsA] = fmaf(ha, ha, v[L::kSsA]);
+                v[L::kSsC] = fmaf(ac, ac, v[L::kSsC]);
+#pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    const float rw = bf16_at(rn[n], e) * we;
+                    v[L::kAp + n] = fmaf(rw, ha, v[L::kAp + n]);
+                    v[L::kAc + n] = fmaf(rw, ac, v[L::kAc + n]);
+                }
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    const float gi = bf16_at(r.g[i], e);
+                    v[L::kGc + i] = fmaf(gi, ac, v[L::kGc + i]);
+#pragma unroll
+                    for (int j = 0; j < N; ++j) v[L::kG + i * N + j] = fmaf(gi, bf16_at(r.h[j], e), v[L::kG + i * N + j]);
+                }
+            }
+        }
+        // ---- one block reduction: warps by shuffles, then warp 0 sums the warps in a fixed order
+#pragma unroll
+        for (int i = 0; i < L::kValues; ++i) {
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < L::kValues; ++i) scratch[i][warp] = v[i];
+        }
+        __syncthreads();
+        if (warp == 0) {
+            if (lane < L::kValues) {
+                float total = 0.0f;
+                for (int w = 0; w < warps; ++w) total += scratch[lane][w];
+                totals[lane] = total;
+            }
+            __syncwarp();
+            v3_token_scalars<N, A>(totals, token_scalars, coefs, P, Q, inv_h, eps, coef_grads);
+        }
+        __syncthreads();
+        // ---- pass 2: element-wise gradients and the S accumulator
+#pragma unroll
+        for (int c = 0; c < SLICES; ++c) {
+            const int slice = threadIdx.x + c * blockDim.x;
+            if (slice >= slices) continue;
+            V3Rows<N>& r = rows[RESIDENT ? c : 0];
+            if (!RESIDENT) v3_load<N, true>(r, grad, hs, act, token_slice0 + slice, stream_stride);
+            uint4 rn[N];
+#pragma unroll
+            for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);
+            const uint4 wn = __ldg(norm + slice);
+            // One output row at a time, so only that row's coefficients and results are live.
+            {  // S[n] += sigma_p[n] h_a + sigma_c[n] act
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e);
+#pragma unroll
+                    for (int n = 0; n < N; ++n) {
+                        float& s = s_at(n, c, e);
+                        s = fmaf(coefs[L::kSigmaP + n], ha, fmaf(coefs[L::kSigmaC + n], ac, s));
+                    }
+                }
+            }
+            {  // grad_act = sum_l k_l g_l + w (R^T alpha_c) - beta_c act
+                float out[kVec];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    const float ac = bf16_at(r.act, e);
+                    float rac = 0.0f, gd = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < N; ++n) {
+                        rac = fmaf(bf16_at(rn[n], e), coefs[L::kAlphaC + n], rac);
+                        gd = fmaf(coefs[L::kK + n], bf16_at(r.g[n], e), gd);
+                    }
+                    out[e] = gd + fmaf(bf16_at(wn, e), rac, -coefs[L::kBetaC] * ac);
+                }
+                __stcs(grad_act + token_slice0 + slice, pack_bf16x8(out));
+            }
+#pragma unroll
+            for (int j = 0; j < N; ++j) {  // grad_h_j = sum_l B_jl g_l (+ w (R^T alpha_p) - beta_p h_a)
+                float out[kVec];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    float acc = 0.0f;
+                    if (j == A) {
+                        const float ha = bf16_at(r.h[A], e);
+                        float rap = 0.0f;
+#pragma unroll
+                        for (int n = 0; n < N; ++n) rap = fmaf(bf16_at(rn[n], e), coefs[L::kAlphaP + n], rap);
+                        acc = fmaf(bf16_at(wn, e), rap, -coefs[L::kBetaP] * ha);
+                    }
+#pragma unroll
+                    for (int l = 0; l < N; ++l) acc = fmaf(coefs[L::kB + j * N + l], bf16_at(r.g[l], e), acc);
+                    out[e] = acc;
+                }
+                __stcs(grad_hs + j * stream_stride + token_slice0 + slice, pack_bf16x8(out));
+            }
+        }
+    }
+
+    // ---- this block's weight-gradient partials, in pc_reduce_partials' layout
+    float* part = partials + blockIdx.x * partial_stride(N, hidden);
+#pragma unroll
+    for (int c = 0; c < SLICES; ++c) {
+        const int slice = threadIdx.x + c * blockDim.x;
+        if (slice >= slices) continue;
+        float rn[N][kVec], wn[kVec];
+#pragma unroll
+        for (int n = 0; n < N; ++n) unpack_bf16x8(__ldg(router + n * slices + slice), rn[n]);
+        unpack_bf16x8(__ldg(norm + slice), wn);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            const int d = slice * kVec + e;
+            float dw = 0.0f;
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                const float s = s_at(n, c, e);
+                part[n * hidden + d] = wn[e] * s * inv_h;
+                dw = fmaf(rn[n][e], s, dw);
+            }
+            part[N * hidden + d] = dw * inv_h;
+        }
+    }
+    if (warp == 0) {
+#pragma unroll
+        for (int i = 0; i < L::kCoefGradsPerLane; ++i) {
+            const int e = i * 32 + lane;
+            if (e < L::kCoefGrads) part[(N + 1) * hidden + e] = coef_grads[i];
+        }
+    }
+}

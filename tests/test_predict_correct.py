@@ -1,0 +1,171 @@
+"""GPU: predict_correct_backward (v2 default, v1) against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from altup_cupy import predict_correct_backward
+from altup_cupy.benchmarks.predict_correct import ARG_NAMES, eager_fp32
+from altup_cupy.reference import predict_correct_backward_reference
+from altup_cupy.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
+
+pytestmark = pytest.mark.gpu
+
+BENCH = workloads("predict_correct_backward", "benchmark")
+OUT_DTYPES = (torch.bfloat16, torch.bfloat16) + (torch.float32,) * 4
+
+
+def _args(inputs):
+    return [inputs[k] for k in ARG_NAMES]
+
+
+def _expected_shapes(n, b, s, h):
+    return [(n, b, s, h), (b, s, h), (n * n, n), (n, n), (n, h), (h,)]
+
+
+def check_against_reference(w: Workload, inputs, out, label=""):
+    args, a, eps = _args(inputs), inputs["active_idx"], inputs["eps"]
+    ref64 = predict_correct_backward_reference(*args, a, eps)
+    ref32 = eager_fp32(*args, active_idx=a, eps=eps)
+    n, b, s, h = inputs["grad_corrected"].shape
+    for name, o, r64, r32, dt, shape in zip(ref64._fields, out, ref64, ref32, OUT_DTYPES,
+                                           _expected_shapes(n, b, s, h)):
+        assert o.dtype == dt, (label, name, o.dtype)
+        assert tuple(o.shape) == shape, (label, name, tuple(o.shape))
+        rep = tolerance_report(o, r64, w.atol, w.rtol)
+        base = tolerance_report(r32, r64, w.atol, w.rtol)
+        assert rep.passed, (label, name, rep)
+        assert rep.rel_l2 <= max(2 * base.rel_l2, 1e-6), (label, name, rep.rel_l2, base.rel_l2)
+
+
+@pytest.mark.parametrize("norm_weight", ["ones", "random"])
+@pytest.mark.parametrize("w", BENCH, ids=[w.label for w in BENCH])
+def test_benchmark_workloads(w, norm_weight, seeds):
+    for round_ in range(3):
+        inputs = predict_correct_backward_inputs(w, seeds(), "cuda", norm_weight)
+        out = predict_correct_backward(*_args(inputs), inputs["active_idx"], inputs["eps"])
+        check_against_reference(w, inputs, out, f"round {round_}")
+
+
+def _small(n, h, b, s, a=0, atol=0.0075):
+    return Workload("predict_correct_backward", n, h, b, s, atol, 0.05, 1e-6, a)
+
+
+@pytest.mark.parametrize("a", [1, 2])
+@pytest.mark.parametrize("version", [1, 2])
+def test_active_idx(a, version, seeds):
+    w = _small(3, 2304, 4, 256, a)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    out = predict_correct_backward(*_args(inputs), a, inputs["eps"], version=version)
+    check_against_reference(w, inputs, out)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("h", [8, 40, 2048, 2560, 3072, 4096, 8192])
+@pytest.mark.parametrize("version", [1, 2])
+def test_streams_and_hidden(n, h, version, seeds):
+    w = _small(n, h, 2, 300, a=n - 1)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    out = predict_correct_backward(*_args(inputs), n - 1, inputs["eps"], version=version)
+    check_against_reference(w, inputs, out)
+
+
+@pytest.mark.parametrize("n,h", [(3, 2304), (4, 2560), (2, 2048)])
+@pytest.mark.parametrize("version", [1, 2])
+def test_one_token(n, h, version, seeds):
+    w = _small(n, h, 1, 1, atol=0.0014)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    out = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)
+    check_against_reference(w, inputs, out)
+
+
+@pytest.mark.parametrize("n,h", [(3, 2304), (4, 2560), (3, 8192)])
+def test_v1_matches_v2_and_v2_is_deterministic(n, h, seeds):
+    w = _small(n, h, 8, 373)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    v2a = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
+    v2b = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
+    v1 = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=1)
+    for x, y, z in zip(v2a, v2b, v1):
+        assert torch.equal(x.view(torch.uint8) if x.dtype == torch.bfloat16 else x.view(torch.int32),
+                           y.view(torch.uint8) if y.dtype == torch.bfloat16 else y.view(torch.int32))
+        rel = ((x.double() - z.double()).norm() / z.double().norm()).item()
+        assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_poisoned_outputs_and_inputs_unchanged(version, seeds):
+    """Fill the caching allocator's blocks of the output sizes with NaN, free them, then call:
+    the outputs (and workspaces) reuse poisoned memory, so any element left unwritten shows."""
+    w = _small(3, 2304, 4, 293)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    before = {k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)}
+    n, b, s, h = inputs["grad_corrected"].shape
+    torch.cuda.synchronize()
+    poison = [torch.full(shape, float("nan"), dtype=dt, device="cuda")
+              for shape, dt in zip(_expected_shapes(n, b, s, h), OUT_DTYPES)]
+    poison += [torch.full((1 << 26,), float("nan"), dtype=torch.float32, device="cuda")]
+    ptrs = {p.data_ptr() for p in poison}
+    del poison
+    out = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)
+    assert out.grad_hidden_states.data_ptr() in ptrs  # the poisoning really hit the output
+    for o in out:
+        assert bool(torch.isfinite(o.float()).all())
+    check_against_reference(w, inputs, out)
+    for k, v in before.items():
+        assert torch.equal(inputs[k].view(torch.uint8) if v.dtype == torch.bfloat16 else inputs[k],
+                           v.view(torch.uint8) if v.dtype == torch.bfloat16 else v), k
+
+
+def test_cupy_in_cupy_out(seeds):
+    import cupy
+
+    w = _small(3, 2304, 2, 128)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    cp_args = [cupy.from_dlpack(t) for t in _args(inputs)]
+    out = predict_correct_backward(*cp_args, 0, inputs["eps"])
+    assert all(isinstance(o, cupy.ndarray) for o in out)
+    assert [str(o.dtype) for o in out] == ["bfloat16"] * 2 + ["float32"] * 4
+    torch_out = [torch.from_dlpack(o) for o in out]
+    check_against_reference(w, inputs, torch_out)
+
+
+def test_caller_stream(seeds):
+    w = _small(3, 2304, 4, 256)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        out = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
+    side.synchronize()
+    check_against_reference(w, inputs, out)
+
+
+def test_past_2_31_elements():
+    """N = 3, H = 2304, 320000 tokens: 2.2e9 elements per [N, M, H] tensor."""
+    n, h, b, s = 3, 2304, 1, 320000
+    w = _small(n, h, b, s, atol=0.015)
+    inputs = predict_correct_backward_inputs(w, 1234, "cuda", "random")
+    assert n * b * s * h > 2**31
+    out = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
+    args = _args(inputs)
+    # chunked float64 reference: weight gradients summed over chunks, activation rows sampled
+    weight_ref = None
+    cross = 2**31 // h - 2 * s  # stream 2's row holding flat element 2^31 of [N, M, H]
+    sample = torch.tensor([0, 1, 77777, cross - 1, cross, cross + 1, s - 2, s - 1], device="cuda")
+    for first in range(0, s, 8192):
+        sl = slice(first, min(s, first + 8192))
+        chunk = [args[0][:, :, sl], args[1][:, :, sl], args[2][:, sl], *args[3:]]
+        ref = predict_correct_backward_reference(*chunk, 0, inputs["eps"])
+        weight_ref = list(ref[2:]) if weight_ref is None else [x + y for x, y in zip(weight_ref, ref[2:])]
+        in_chunk = sample[(sample >= sl.start) & (sample < sl.stop)]
+        for t in in_chunk.tolist():
+            loc = t - sl.start
+            r = tolerance_report(out.grad_hidden_states[:, :, t], ref.grad_hidden_states[:, :, loc], 0.015, 0.05)
+            assert r.passed and r.rel_l2 < 1e-2, (t, r)
+            r = tolerance_report(out.grad_activated[:, t], ref.grad_activated[:, loc], 0.015, 0.05)
+            assert r.passed and r.rel_l2 < 1e-2, (t, r)
+    for o, r in zip(out[2:], weight_ref):
+        rep = tolerance_report(o, r, 0.015, 0.05)
+        assert rep.passed and rep.rel_l2 < 1e-3, rep

@@ -1,0 +1,149 @@
+"""CPU: every bad input of predict_correct_backward raises TypeError/ValueError naming the argument."""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+import torch
+
+from altup_cupy import predict_correct_backward
+from altup_cupy.predict_correct import VERSIONS
+
+N, B, S, H = 3, 2, 3, 16
+
+
+def good(n=N, b=B, s=S, h=H):
+    bf = torch.bfloat16
+    return dict(
+        grad_corrected=torch.zeros(n, b, s, h, dtype=bf),
+        hidden_states=torch.zeros(n, b, s, h, dtype=bf),
+        activated=torch.zeros(b, s, h, dtype=bf),
+        prediction_coefs=torch.zeros(n * n, n, dtype=bf),
+        correction_coefs=torch.zeros(n, n, dtype=bf),
+        router_weight=torch.zeros(n, h, dtype=bf),
+        norm_weight=torch.zeros(h, dtype=bf),
+    )
+
+
+ARGS = tuple(good())
+
+
+@pytest.mark.parametrize("name", ARGS)
+def test_wrong_dtype(name):
+    kw = good()
+    kw[name] = kw[name].float()
+    with pytest.raises(TypeError, match=name):
+        predict_correct_backward(**kw)
+
+
+BAD_SHAPES = {
+    "grad_corrected": [(N, B, S), (N, B, S, H, 1)],
+    "hidden_states": [(N + 1, B, S, H), (N, B + 1, S, H), (N, B, S + 1, H), (N, B, S, H + 8)],
+    "activated": [(B + 1, S, H), (B, S, H + 8), (N, B, S, H)],
+    "prediction_coefs": [(N, N), (N * N, N + 1), (N * N + 1, N)],
+    "correction_coefs": [(N, N + 1), (N * N, N)],
+    "router_weight": [(N + 1, H), (N, H + 8), (H,)],
+    "norm_weight": [(H + 8,), (1, H)],
+}
+
+
+@pytest.mark.parametrize("name,shape", [(k, s) for k, v in BAD_SHAPES.items() for s in v])
+def test_wrong_shape(name, shape):
+    kw = good()
+    kw[name] = torch.zeros(shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=name):
+        predict_correct_backward(**kw)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_unsupported_streams(n):
+    with pytest.raises(ValueError, match="grad_corrected"):
+        predict_correct_backward(**good(n=n))
+
+
+@pytest.mark.parametrize("h", [12, 8200, 16384])
+def test_unsupported_hidden(h):
+    with pytest.raises(ValueError, match="H"):
+        predict_correct_backward(**good(h=h))
+
+
+@pytest.mark.parametrize("name", ARGS)
+def test_non_contiguous(name):
+    kw = good()
+    t = kw[name]
+    if t.dim() == 1:
+        t = torch.zeros(2 * t.shape[0], dtype=t.dtype)[::2]
+    else:
+        t = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if t.is_contiguous():  # a square [N, N]: transpose twice is contiguous; slice instead
+        t = torch.zeros(*kw[name].shape[:-1], 2 * kw[name].shape[-1], dtype=t.dtype)[..., ::2]
+    kw[name] = t
+    with pytest.raises(ValueError, match=name):
+        predict_correct_backward(**kw)
+
+
+@pytest.mark.parametrize("a", [-1, N, 7])
+def test_active_idx_out_of_range(a):
+    with pytest.raises(ValueError, match="active_idx"):
+        predict_correct_backward(**good(), active_idx=a)
+
+
+@pytest.mark.parametrize("a", [1.0, "0", None, True])
+def test_active_idx_not_int(a):
+    with pytest.raises(TypeError, match="active_idx"):
+        predict_correct_backward(**good(), active_idx=a)
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan"), float("inf")])
+def test_bad_eps(eps):
+    with pytest.raises(ValueError, match="eps"):
+        predict_correct_backward(**good(), eps=eps)
+
+
+def test_eps_not_a_number():
+    with pytest.raises(TypeError, match="eps"):
+        predict_correct_backward(**good(), eps="small")
+
+
+def test_host_tensors_rejected_with_device_error():
+    with pytest.raises(ValueError, match="grad_corrected"):
+        predict_correct_backward(**good())
+
+
+@pytest.mark.parametrize("name", ARGS)
+def test_numpy_rejected(name):
+    kw = good()
+    kw[name] = numpy.zeros(kw[name].shape, dtype=numpy.float32)
+    with pytest.raises(TypeError, match=name):
+        predict_correct_backward(**kw)
+
+
+def test_bad_version():
+    with pytest.raises(ValueError, match="version"):
+        predict_correct_backward(**good(), version=max(VERSIONS) + 1)
+
+
+@pytest.mark.gpu
+def test_mixed_devices_and_frameworks():
+    import cupy
+
+    kw = {k: v.cuda() for k, v in good().items()}
+    kw["norm_weight"] = kw["norm_weight"].cpu()
+    with pytest.raises(ValueError, match="norm_weight"):
+        predict_correct_backward(**kw)
+    kw = {k: v.cuda() for k, v in good().items()}
+    kw["activated"] = cupy.asarray(kw["activated"])
+    with pytest.raises(TypeError, match="activated"):
+        predict_correct_backward(**kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
+def test_zero_tokens(version):
+    kw = {k: v.cuda() for k, v in good(b=0).items()}
+    out = predict_correct_backward(**kw, version=version)
+    assert out.grad_hidden_states.shape == (N, 0, S, H) and out.grad_hidden_states.dtype == torch.bfloat16
+    assert out.grad_activated.shape == (0, S, H)
+    for t, shape in zip(out[2:], [(N * N, N), (N, N), (N, H), (H,)]):
+        assert t.shape == shape and t.dtype == torch.float32 and t.is_cuda
+        assert bool((t == 0).all())
