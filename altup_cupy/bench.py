@@ -125,20 +125,24 @@ def check_outputs(bench: OpBench, w: Workload, outputs: tuple, reference: tuple)
 
 
 def measure(bench: OpBench, workloads: Sequence[Workload], suite: str, reps: int = 100,
-            warmup: int = 10, seed: int = 0, progress: bool = True, log: Callable[[str], None] = print
-            ) -> list[dict]:
-    """Check and time every implementation of `bench` on every workload; return CSV rows."""
+            warmup: int = 10, seed: int = 0, progress: bool = True,
+            impl_names: Sequence[str] | None = None) -> list[dict]:
+    """Check and time every implementation of `bench` (or those named) on every workload; return
+    CSV rows."""
     import torch
     from tqdm.auto import tqdm
 
+    def chosen(w):
+        return [i for i in bench.impls(w) if impl_names is None or i.name in impl_names]
+
     info = run_info()
-    jobs = [(w, impl) for w in workloads for impl in bench.impls(w)]
+    jobs = [(w, impl) for w in workloads for impl in chosen(w)]
     rows = []
     bar = tqdm(total=len(jobs), desc=f"bench {bench.op}", disable=not progress, file=sys.stderr)
     for i, w in enumerate(workloads):
         inputs = bench.make_inputs(w, seed + i)
-        reference = bench.reference(inputs) if any(impl.checked for impl in bench.impls(w)) else None
-        for impl in bench.impls(w):
+        reference = bench.reference(inputs) if any(impl.checked for impl in chosen(w)) else None
+        for impl in chosen(w):
             bar.set_postfix_str(f"{impl.name} {w.label}")
             fn = impl.prepare(inputs)
             match = rel = passed = ""

@@ -63,3 +63,32 @@ __device__ __forceinline__ void block_sum(float (&v)[NV], float* scratch) {
         v[i] = s;
     }
 }
+
+// Warp sums of NV values at once (NV a power of two, at most 32) with NV - 1 shuffles instead of
+// 5 * NV: at each step a lane hands half of its values to its partner and keeps the other half.
+// Returns, in lane l, the warp total of value l % NV. Fixed order: bitwise reproducible.
+template <int NV, int WIDTH>
+__device__ __forceinline__ void warp_sum_spread_step(float (&v)[NV], const int lane) {
+    if constexpr (WIDTH >= 1) {
+        const bool upper = lane & WIDTH;
+#pragma unroll
+        for (int i = 0; i < WIDTH; ++i) {
+            const float send = upper ? v[i] : v[i + WIDTH];
+            const float keep = upper ? v[i + WIDTH] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, WIDTH);
+        }
+        warp_sum_spread_step<NV, WIDTH / 2>(v, lane);
+    }
+}
+
+template <int NV>
+__device__ __forceinline__ float warp_sum_spread(float (&v)[NV]) {
+    static_assert(NV >= 1 && NV <= 32 && (NV & (NV - 1)) == 0, "NV must be a power of two <= 32");
+    const int lane = threadIdx.x & 31;
+    warp_sum_spread_step<NV, NV / 2>(v, lane);
+#pragma unroll
+    for (int offset = NV; offset < 32; offset <<= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], offset);
+    return v[0];
+}
+
+__host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }

@@ -111,9 +111,14 @@ def recorded_rows(op: str, suite: str = "benchmark", results_dir: Path = RESULTS
 
 def live_rows(op: str, workloads: Sequence, suite: str = "benchmark", reps: int = 30,
               warmup: int = 5) -> list[dict]:
-    """Check and time every implementation of `op` on `workloads` now (GPU mode only)."""
+    """Check and time this package's kernels, the plain PyTorch baseline and the floor of `op` on
+    `workloads` now (GPU mode only). The full comparison, torch.compile included, is the recorded
+    benchmark's: compiling here would cost minutes for nothing new."""
     from .bench import measure
     from .benchmarks import op_bench
 
-    rows = measure(op_bench(op), workloads, suite, reps=reps, warmup=warmup, progress=False)
+    bench = op_bench(op)
+    names = [i.name for i in bench.impls(workloads[0])
+             if i.name.startswith("altup_cupy") or i.name == bench.oracle_impl or not i.checked]
+    rows = measure(bench, workloads, suite, reps=reps, warmup=warmup, progress=False, impl_names=names)
     return parse_rows({k: str(v) for k, v in r.items()} for r in rows)

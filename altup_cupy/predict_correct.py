@@ -1,12 +1,11 @@
 """Host side of the AltUp predict-correct backward (SPEC.md section 2).
 
-v2 (default): `pc_v2_fused` in predict_correct_bwd.cu, one pass over memory on a persistent grid
-(about one block per SM; block b handles tokens b, b + G, ...), writing per-block partials of the
-four weight gradients; `pc_reduce_partials` sums them in a fixed order (bitwise deterministic).
-Rows are held in registers ("resident", prefetched by cp.async) when one 8-element slice per
-thread covers H (H <= 2560 for N <= 3, H <= 2048 for N = 4); otherwise the same kernel re-reads
-each token's rows through L1/L2 with 2 or 4 slices per thread (H <= 8192).
-
+v3 (default): `pc_v3_fused` in predict_correct_bwd.cu: one pass over memory on a persistent grid
+(two blocks per SM for H <= 2560; block b handles tokens b, b + G, ...) with ONE block reduction
+per token, writing per-block partials of the weight gradients that `pc_reduce_partials` sums in
+a fixed order (bitwise deterministic).
+v2: `pc_v2_fused`, the first fused version: three reduction rounds per token, rows staged by
+cp.async (resident) when one slice per thread covers H, re-read otherwise.
 v1 (teaching): one small kernel per derivation stage with intermediates in global scratch.
 """
 
@@ -22,10 +21,9 @@ from ._arrays import BF16, F32
 from ._build import KernelSource
 
 SUPPORTED_STREAMS = (2, 3, 4)
-# v3 instantiations: (slices per thread, resident, min blocks per SM); launch bound 512 threads
-# for one block per SM, 320 otherwise.
-V3_VARIANTS = ((1, True, 1), (1, False, 1), (1, False, 2), (2, False, 1))
-V3_SMALL = (1, False, 2)  # H <= 2560
+# v3 instantiations: (slices per thread, min blocks per SM); launch bound 320 threads for two
+# blocks per SM (H <= 2560), 512 for one.
+V3_VARIANTS = ((1, 2), (1, 1), (2, 1))
 VERSIONS = (1, 2, 3)
 DEFAULT_VERSION = 3
 MAX_HIDDEN = 8192  # v2: 4 slices of 8 per thread x 256 threads; v3: 2 x 512
@@ -47,7 +45,7 @@ def _name_expressions() -> tuple[str, ...]:
         for a in range(n):
             names.append(f"pc_v2_fused<{n}, {a}, 1, true>")
             names += [f"pc_v2_fused<{n}, {a}, {s}, false>" for s in NONRESIDENT_SLICES]
-            names += [f"pc_v3_fused<{n}, {a}, {s}, {'true' if r else 'false'}, {b}>" for s, r, b in V3_VARIANTS]
+            names += [f"pc_v3_fused<{n}, {a}, {s}, {b}>" for s, b in V3_VARIANTS]
     return tuple(names)
 
 
@@ -100,24 +98,25 @@ def _sm_count(device: int) -> int:
 
 
 def _blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int = 2) -> int:
-    """A conservative occupancy estimate (register file 64K, 228 KiB shared memory per SM)."""
-    regs = -(-max(registers, 1) // 8) * 8
-    warps = -(-threads // 128) * 4  # warp allocation granularity of 4
-    by_regs = 65536 // (regs * warps * 32)
-    by_smem = (228 * 1024) // (shared_bytes + 1024 + 4096)
+    """Resident blocks per SM on Hopper: registers are allocated per warp in units of 256
+    (64K per SM, at most 64 warps), shared memory per block plus 1 KiB reserved (228 KiB per SM)."""
+    warps = -(-threads // 32)
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = min(64, 65536 // per_warp) // warps
+    by_smem = (228 * 1024) // (shared_bytes + 1024)
     by_threads = 2048 // threads
     return max(1, min(by_regs, by_smem, by_threads, cap))
 
 
-def v3_launch_shape(hidden: int) -> tuple[int, bool, int, int]:
-    """(slices per thread, resident, min blocks per SM, threads per block) of the v3 kernel."""
+def v3_launch_shape(hidden: int) -> tuple[int, int, int]:
+    """(slices per thread, min blocks per SM, threads per block) of the v3 kernel."""
     slices = hidden // 8
     if slices <= 320:
-        return (*V3_SMALL, max(32, -(-slices // 32) * 32))
+        return 1, 2, max(32, -(-slices // 32) * 32)
     if slices <= 512:
-        return 1, True, 1, -(-slices // 32) * 32
+        return 1, 1, -(-slices // 32) * 32
     if slices <= 1024:
-        return 2, False, 1, -(-(-(-slices // 2)) // 32) * 32
+        return 2, 1, -(-(-(-slices // 2)) // 32) * 32
     raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
 
 
@@ -200,7 +199,7 @@ def _reduce(partials, blocks: int, streams: int, hidden: int, outs, stream) -> N
     _, _, grad_P, grad_Q, grad_R, grad_w = outs
     total = partial_stride(streams, hidden)
     SOURCE.kernel(f"pc_reduce_partials<{streams}>")(
-        (-(-total // 256),), (256,),
+        (-(-total // 32),), (256,),
         (_ptr(partials), numpy.int32(blocks), numpy.int32(hidden), _ptr(grad_R), _ptr(grad_w),
          _ptr(grad_P), _ptr(grad_Q)),
         stream=stream,
@@ -233,8 +232,8 @@ def _launch_v3(args, outs, a, eps, framework, device, stream) -> None:
     grad_hs, grad_act = outs[0], outs[1]
     streams, batch, seq, hidden = g.shape
     tokens = batch * seq
-    per_thread, resident, min_blocks, threads = v3_launch_shape(hidden)
-    kernel = SOURCE.kernel(f"pc_v3_fused<{streams}, {a}, {per_thread}, {'true' if resident else 'false'}, {min_blocks}>")
+    per_thread, min_blocks, threads = v3_launch_shape(hidden)
+    kernel = SOURCE.kernel(f"pc_v3_fused<{streams}, {a}, {per_thread}, {min_blocks}>")
     shared = v3_shared_bytes(streams, per_thread, threads)
     if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared

@@ -21,7 +21,8 @@
 //       re-reads the token's rows from global memory (L1/L2 hits after the first read).
 //   v3: one block reduction per token instead of three: every reduction v2 does in rounds 2 and 3
 //       is a linear combination of dot products of the raw rows (<g_i, h_j>, <g_i, act>, ...), so
-//       one round computes them all; several blocks per SM (no cp.async stage, S in shared memory).
+//       one round computes them all (a spread butterfly: V - 1 shuffles for V values); rows read
+//       twice through L1 instead of held in registers, S in shared memory: two blocks per SM.
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -33,8 +34,10 @@ __host__ __device__ constexpr long long partial_stride(int n, int hidden) {
     return static_cast<long long>(n + 1) * hidden + n * n * n + n * n;
 }
 
-// out[e] = sum over blocks b = 0..blocks-1 (in that order) of partials[b * stride + e], written
-// to the four fp32 weight gradients. Deterministic: a fixed summation order, no atomics.
+// out[e] = the sum over blocks b of partials[b * stride + e], written to the four fp32 weight
+// gradients. A block of 256 threads takes 32 consecutive entries: warp y sums blocks y, y + 8,
+// y + 16, ... (four interleaved chains keep loads in flight), then the eight warp sums are added
+// in a fixed order. Deterministic: a fixed summation order, no atomics.
 template <int N>
 __global__ void __launch_bounds__(256) pc_reduce_partials(
     const float* __restrict__ partials, const int blocks, const int hidden,
@@ -42,20 +45,28 @@ __global__ void __launch_bounds__(256) pc_reduce_partials(
     float* __restrict__ grad_norm,    // [H]
     float* __restrict__ grad_pred,    // [N*N, N]
     float* __restrict__ grad_corr) {  // [N, N]
+    constexpr int kGroups = 8;
+    __shared__ float sums[kGroups][32];
     const long long stride = partial_stride(N, hidden);
-    const long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (e >= stride) return;
-    // Four independent chains (fixed assignment b % 4) keep four loads in flight.
+    const int col = threadIdx.x & 31, group = threadIdx.x >> 5;
+    const long long e = static_cast<long long>(blockIdx.x) * 32 + col;
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    int b = 0;
-    for (; b + 4 <= blocks; b += 4) {
-        s0 += partials[(b + 0) * stride + e];
-        s1 += partials[(b + 1) * stride + e];
-        s2 += partials[(b + 2) * stride + e];
-        s3 += partials[(b + 3) * stride + e];
+    if (e < stride) {
+        int b = group;
+        for (; b + 3 * kGroups < blocks; b += 4 * kGroups) {
+            s0 += partials[(b + 0 * kGroups) * stride + e];
+            s1 += partials[(b + 1 * kGroups) * stride + e];
+            s2 += partials[(b + 2 * kGroups) * stride + e];
+            s3 += partials[(b + 3 * kGroups) * stride + e];
+        }
+        for (; b < blocks; b += kGroups) s0 += partials[b * stride + e];
     }
-    for (; b < blocks; ++b) s0 += partials[b * stride + e];
-    const float total = (s0 + s1) + (s2 + s3);
+    sums[group][col] = (s0 + s1) + (s2 + s3);
+    __syncthreads();
+    if (group != 0 || e >= stride) return;
+    float total = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) total += sums[g][col];
     const long long nh = static_cast<long long>(N) * hidden;
     if (e < nh) grad_router[e] = total;
     else if (e < nh + hidden) grad_norm[e - nh] = total;
@@ -843,14 +854,17 @@ pc_v2_fused(const uint4* __restrict__ grad, const uint4* __restrict__ hs, const 
 // So a token costs one pass over its rows and one block reduction of 2 + 2N + N^2 + N values;
 // warp 0 turns the totals into the N^2 + 5N + 2 coefficients above and broadcasts them through
 // shared memory. Blocks are persistent (several per SM; block b takes tokens b, b + G, ...).
-// RESIDENT keeps the token's rows in registers between the reduction and the output pass;
-// otherwise (H > 4096) the output pass reads them again (L1/L2 hits).
+// The rows are not kept in registers across the reduction: the output pass reads them again
+// (L1 hits: pass 1 loads them with L1 allocation, pass 2 evict-first). That halves the registers
+// per thread, so two blocks fit on an SM where a register-resident version fit one, and it ran
+// faster on the H200 (results/h200/NOTES.md).
 
 template <int N>
 struct V3Layout {
     // reduced values
     static constexpr int kSsA = 0, kSsC = 1, kAp = 2, kAc = 2 + N, kG = 2 + 2 * N, kGc = 2 + 2 * N + N * N;
     static constexpr int kValues = 2 + 3 * N + N * N;
+    static constexpr int kValuesPow2 = next_pow2(kValues);
     // broadcast coefficients
     static constexpr int kB = 0, kK = N * N, kAlphaP = kK + N, kAlphaC = kAlphaP + N, kBetaP = kAlphaC + N,
                          kBetaC = kBetaP + 1, kSigmaP = kBetaC + 1, kSigmaC = kSigmaP + N;
@@ -887,15 +901,11 @@ struct V3Scalars {
     float m_p[N], m_c[N], C[N * N], k[N], gk[N], gd_h[N], dC[N * N], gz_p[N], gz_c[N];
 };
 
-__device__ __forceinline__ float bf16_load(const unsigned short* p, int i) {
-    return __uint_as_float(static_cast<unsigned int>(__ldg(p + i)) << 16);
-}
-
 // Warp 0 turns one token's reduced values into the broadcast coefficients, and adds this
 // token's contribution to the coefficient gradients owned by each lane.
 template <int N, int A>
 __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3Scalars<N>& sc, float* __restrict__ coefs,
-                                                 const unsigned short* __restrict__ P, const unsigned short* __restrict__ Q,
+                                                 const float* __restrict__ P, const float* __restrict__ Q,
                                                  float inv_h, float eps, float (&coef_grads)[V3Layout<N>::kCoefGradsPerLane]) {
     using L = V3Layout<N>;
     const int lane = threadIdx.x & 31;
@@ -909,12 +919,12 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
     // 2. C = P m_p (as [N][N]) and k = Q m_c + 1
     if (lane < N * N) {
         float c = 0.0f;
-        for (int l = 0; l < N; ++l) c = fmaf(bf16_load(P, lane * N + l), sc.m_p[l], c);
+        for (int l = 0; l < N; ++l) c = fmaf(P[lane * N + l], sc.m_p[l], c);
         sc.C[lane] = c;
     } else if (lane < N * N + N) {
         const int i = lane - N * N;
         float kk = 1.0f;
-        for (int l = 0; l < N; ++l) kk = fmaf(bf16_load(Q, i * N + l), sc.m_c[l], kk);
+        for (int l = 0; l < N; ++l) kk = fmaf(Q[i * N + l], sc.m_c[l], kk);
         sc.k[i] = kk;
     }
     __syncwarp();
@@ -938,12 +948,12 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
     if (lane < N) {
         const int l = lane;
         float gm = 0.0f;
-        for (int i = 0; i < N; ++i) gm = fmaf(bf16_load(Q, i * N + l), sc.gk[i], gm);
+        for (int i = 0; i < N; ++i) gm = fmaf(Q[i * N + l], sc.gk[i], gm);
         sc.gz_c[l] = gm * (1.0f - sc.m_c[l] * sc.m_c[l]);
     } else if (lane < 2 * N) {
         const int l = lane - N;
         float gm = 0.0f;
-        for (int ij = 0; ij < N * N; ++ij) gm = fmaf(bf16_load(P, ij * N + l), sc.dC[ij], gm);
+        for (int ij = 0; ij < N * N; ++ij) gm = fmaf(P[ij * N + l], sc.dC[ij], gm);
         sc.gz_p[l] = gm * (1.0f - sc.m_p[l] * sc.m_p[l]);
     }
     __syncwarp();
@@ -982,7 +992,7 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
     }
 }
 
-template <int N, int A, int SLICES, bool RESIDENT, int MIN_BLOCKS>
+template <int N, int A, int SLICES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3_fused(
     const uint4* __restrict__ grad,      // [N, M, H] bf16
     const uint4* __restrict__ hs,        // [N, M, H] bf16
@@ -996,12 +1006,17 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
     float* __restrict__ partials,        // [gridDim.x, partial_stride(N, H)] fp32
     const int hidden, const long long tokens, const float eps) {
     using L = V3Layout<N>;
-    constexpr int KEEP = RESIDENT ? SLICES : 1;  // slices of rows held in registers
     extern __shared__ float S[];                 // [N][SLICES][8][blockDim.x]: this block's S
     __shared__ float scratch[L::kValues][33];    // per-warp partial sums (+1: no bank conflicts)
     __shared__ float totals[L::kValues];
     __shared__ float coefs[L::kCoefs];
     __shared__ V3Scalars<N> token_scalars;
+    __shared__ float P_f32[N * N * N], Q_f32[N * N];  // the coefficient matrices, read every token
+    for (int i = threadIdx.x; i < N * N * N + N * N; i += blockDim.x) {
+        const float value = __uint_as_float(static_cast<unsigned int>(i < N * N * N ? P[i] : Q[i - N * N * N]) << 16);
+        if (i < N * N * N) P_f32[i] = value; else Q_f32[i - N * N * N] = value;
+    }
+    __syncthreads();
 
     const int slices = hidden / kVec;
     const long long stream_stride = tokens * slices;  // in 16-byte slices; can pass 2^31
@@ -1019,23 +1034,24 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
 #pragma unroll
     for (int i = 0; i < L::kCoefGradsPerLane; ++i) coef_grads[i] = 0.0f;
 
-    V3Rows<N> rows[KEEP];
+    V3Rows<N> r;  // one 8-element slice of the token's rows
     for (long long token = blockIdx.x; token < tokens; token += gridDim.x) {
         const long long token_slice0 = token * slices;
         // ---- pass 1: the 2 + 3N + N^2 dot products of the raw rows (kept packed: bf16_at)
-        float v[L::kValues];
+        float v[L::kValuesPow2];  // the values, then zeros up to a power of two
 #pragma unroll
-        for (int i = 0; i < L::kValues; ++i) v[i] = 0.0f;
-#pragma unroll
+        for (int i = 0; i < L::kValuesPow2; ++i) v[i] = 0.0f;
+#pragma unroll 1  // one slice at a time: SLICES costs no registers
         for (int c = 0; c < SLICES; ++c) {
             const int slice = threadIdx.x + c * blockDim.x;
             if (slice >= slices) continue;
-            V3Rows<N>& r = rows[RESIDENT ? c : 0];
-            v3_load<N, RESIDENT>(r, grad, hs, act, token_slice0 + slice, stream_stride);
+            v3_load<N, false>(r, grad, hs, act, token_slice0 + slice, stream_stride);
             uint4 rn[N];
 #pragma unroll
             for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);
             const uint4 wn = __ldg(norm + slice);
+            // Router statistics first (h_a, act, R, w), then the Gram products (g, h, act): two
+            // loops keep fewer unpacked values alive at once.
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
                 const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e), we = bf16_at(wn, e);
@@ -1047,24 +1063,23 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
                     v[L::kAp + n] = fmaf(rw, ha, v[L::kAp + n]);
                     v[L::kAc + n] = fmaf(rw, ac, v[L::kAc + n]);
                 }
+            }
 #pragma unroll
-                for (int i = 0; i < N; ++i) {
+            for (int i = 0; i < N; ++i) {
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
                     const float gi = bf16_at(r.g[i], e);
-                    v[L::kGc + i] = fmaf(gi, ac, v[L::kGc + i]);
+                    v[L::kGc + i] = fmaf(gi, bf16_at(r.act, e), v[L::kGc + i]);
 #pragma unroll
                     for (int j = 0; j < N; ++j) v[L::kG + i * N + j] = fmaf(gi, bf16_at(r.h[j], e), v[L::kG + i * N + j]);
                 }
             }
         }
-        // ---- one block reduction: warps by shuffles, then warp 0 sums the warps in a fixed order
-#pragma unroll
-        for (int i = 0; i < L::kValues; ++i) {
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
-        }
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < L::kValues; ++i) scratch[i][warp] = v[i];
+        // ---- one block reduction: each warp by a spread butterfly (lane l ends with value l),
+        // then warp 0 sums the warps in a fixed order
+        {
+            const float warp_total = warp_sum_spread<L::kValuesPow2>(v);
+            if (lane < L::kValues) scratch[lane][warp] = warp_total;
         }
         __syncthreads();
         if (warp == 0) {
@@ -1074,16 +1089,15 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
                 totals[lane] = total;
             }
             __syncwarp();
-            v3_token_scalars<N, A>(totals, token_scalars, coefs, P, Q, inv_h, eps, coef_grads);
+            v3_token_scalars<N, A>(totals, token_scalars, coefs, P_f32, Q_f32, inv_h, eps, coef_grads);
         }
         __syncthreads();
         // ---- pass 2: element-wise gradients and the S accumulator
-#pragma unroll
+#pragma unroll 1  // one slice at a time: SLICES costs no registers
         for (int c = 0; c < SLICES; ++c) {
             const int slice = threadIdx.x + c * blockDim.x;
             if (slice >= slices) continue;
-            V3Rows<N>& r = rows[RESIDENT ? c : 0];
-            if (!RESIDENT) v3_load<N, true>(r, grad, hs, act, token_slice0 + slice, stream_stride);
+            v3_load<N, true>(r, grad, hs, act, token_slice0 + slice, stream_stride);
             uint4 rn[N];
 #pragma unroll
             for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);

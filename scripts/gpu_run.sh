@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call on the lent H200: environment, GPU tests, benchmark, notebooks; everything it
-# measures lands under $OUT (default ./gpu_out) for committing under results/h200/.
-#   bash scripts/gpu_run.sh [tests] [bench] [quickbench] [notebooks]   (default: tests bench notebooks)
+# measures lands under $OUT (default ./gpu_out) for committing under results/h200/. Figures are
+# regenerated from the committed CSVs on the development machine (python -m altup_cupy figures),
+# where matplotlib's version is pinned, so the PNGs match CI's regeneration byte for byte.
+# The notebooks stage needs the wheels of .whl/ (nbclient, ipykernel: carry .whl).
+#   bash scripts/gpu_run.sh [bench] [tests] [quickbench] [notebooks]   (default: bench tests notebooks)
 # ALTUP_GIT_SHA names the commit being measured (the device copy has no .git).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-stages=${*:-tests bench notebooks}
+stages=${*:-bench tests notebooks}
 export PYTHONUNBUFFERED=1
 status=0
 {
@@ -21,23 +24,22 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)
-      python3 -m pytest tests -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+      ALTUP_REQUIRE_GPU=1 python3 -m pytest tests -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
       rc=${PIPESTATUS[0]} ;;
     bench)
-      python3 -m altup_cupy bench --results-dir "$OUT/results" --figures-dir "$OUT/figures" 2>&1 | tee "$OUT/bench.log"
+      python3 -m altup_cupy bench --suite benchmark --reps 50 --results-dir "$OUT/results" --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
       rc=${PIPESTATUS[0]} ;;
     quickbench)
-      python3 -m altup_cupy bench --suite benchmark --limit 4 --reps 30 --results-dir "$OUT/quick" --figures-dir "$OUT/quickfig" 2>&1 | tee "$OUT/bench.log"
+      python3 -m altup_cupy bench --suite benchmark --limit 4 --reps 30 --results-dir "$OUT/quick" --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
       rc=${PIPESTATUS[0]} ;;
     notebooks)
-      bash scripts/execute_notebooks.sh 2>&1 | tee "$OUT/notebooks.log"
-      rc=${PIPESTATUS[0]}
-      mkdir -p "$OUT/notebooks" && cp notebooks/*.ipynb "$OUT/notebooks/" ;;
+      OUT="$OUT/notebooks" bash scripts/execute_notebooks.sh 2>&1 | tee "$OUT/notebooks.log"
+      rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   echo "== stage $stage: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/run_info.txt"
   [ "$rc" -eq 0 ] || status=1
 done
 # At most 8 files come back: pack the folders.
-(cd "$OUT" && for d in results figures notebooks quick quickfig; do [ -d "$d" ] && tar czf "$d.tar.gz" "$d" && rm -rf "$d"; done; ls -la)
+(cd "$OUT" && for d in results notebooks quick; do [ -d "$d" ] && tar czf "$d.tar.gz" "$d" && rm -rf "$d"; done; ls -la)
 exit $status

@@ -1,4 +1,4 @@
-"""GPU: predict_correct_backward (v2 default, v1) against the float64 reference."""
+"""GPU: predict_correct_backward (every version) against the float64 reference."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from altup_cupy import predict_correct_backward
+from altup_cupy.predict_correct import VERSIONS
 from altup_cupy.benchmarks.predict_correct import ARG_NAMES, eager_fp32
 from altup_cupy.reference import predict_correct_backward_reference
 from altup_cupy.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
@@ -53,7 +54,7 @@ def _small(n, h, b, s, a=0, atol=0.0075):
 
 
 @pytest.mark.parametrize("a", [1, 2])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", VERSIONS)
 def test_active_idx(a, version, seeds):
     w = _small(3, 2304, 4, 256, a)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
@@ -63,7 +64,7 @@ def test_active_idx(a, version, seeds):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("h", [8, 40, 2048, 2560, 3072, 4096, 8192])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", VERSIONS)
 def test_streams_and_hidden(n, h, version, seeds):
     w = _small(n, h, 2, 300, a=n - 1)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
@@ -72,7 +73,7 @@ def test_streams_and_hidden(n, h, version, seeds):
 
 
 @pytest.mark.parametrize("n,h", [(3, 2304), (4, 2560), (2, 2048)])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", VERSIONS)
 def test_one_token(n, h, version, seeds):
     w = _small(n, h, 1, 1, atol=0.0014)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
@@ -81,20 +82,21 @@ def test_one_token(n, h, version, seeds):
 
 
 @pytest.mark.parametrize("n,h", [(3, 2304), (4, 2560), (3, 8192)])
-def test_v1_matches_v2_and_v2_is_deterministic(n, h, seeds):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_versions_agree_and_are_deterministic(n, h, version, seeds):
     w = _small(n, h, 8, 373)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
-    v2a = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
-    v2b = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
-    v1 = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=1)
-    for x, y, z in zip(v2a, v2b, v1):
+    first = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)
+    again = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)
+    default = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
+    for x, y, z in zip(first, again, default):
         assert torch.equal(x.view(torch.uint8) if x.dtype == torch.bfloat16 else x.view(torch.int32),
                            y.view(torch.uint8) if y.dtype == torch.bfloat16 else y.view(torch.int32))
         rel = ((x.double() - z.double()).norm() / z.double().norm()).item()
         assert rel < 1e-2, rel
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", VERSIONS)
 def test_poisoned_outputs_and_inputs_unchanged(version, seeds):
     """Fill the caching allocator's blocks of the output sizes with NaN, free them, then call:
     the outputs (and workspaces) reuse poisoned memory, so any element left unwritten shows."""

@@ -1,4 +1,4 @@
-"""The predict-correct backward in the benchmark: v2 and v1 against PyTorch and a copy floor."""
+"""The predict-correct backward in the benchmark: v3 (default), v2 and v1 against PyTorch and a copy floor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 
 from ..bench import Impl, OpBench
-from ..predict_correct import predict_correct_backward
+from ..predict_correct import DEFAULT_VERSION, predict_correct_backward
 from ..reference import predict_correct_autograd, predict_correct_backward_reference
 from ..workloads import Workload, predict_correct_backward_inputs
 
@@ -76,7 +76,8 @@ def _copy_floor(inputs):
 
 
 IMPLS = (
-    Impl("altup_cupy", _ours(2)),
+    Impl("altup_cupy", _ours(DEFAULT_VERSION)),
+    Impl("altup_cupy_v2", _ours(2)),
     Impl("altup_cupy_v1", _ours(1)),
     Impl("torch_eager", _eager),
     Impl("torch_autograd", _autograd),
