@@ -72,14 +72,18 @@ def token_stats_size(streams: int) -> int:
 
 
 def v2_launch_shape(streams: int, hidden: int) -> tuple[int, bool, int]:
-    """(slices per thread, resident, threads per block) of the v2 kernel for this N and H."""
+    """(slices per thread, resident, threads per block) of the v2 kernel for this N and H.
+
+    v2 gives thread i the coefficient-gradient entry i, so a block has at least N^3 + N^2 threads.
+    """
     slices = hidden // 8
+    min_threads = -(-(streams**3 + streams**2) // 32) * 32
     if slices <= RESIDENT_THREADS[streams]:
-        return 1, True, max(32, -(-slices // 32) * 32)
+        return 1, True, max(min_threads, -(-slices // 32) * 32)
     for per_thread in NONRESIDENT_SLICES:
         threads = -(-slices // per_thread)
         if threads <= NONRESIDENT_THREADS:
-            return per_thread, False, max(32, -(-threads // 32) * 32)
+            return per_thread, False, max(min_threads, -(-threads // 32) * 32)
     raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
 
 
@@ -106,6 +110,23 @@ def _blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int = 2
     by_smem = (228 * 1024) // (shared_bytes + 1024)
     by_threads = 2048 // threads
     return max(1, min(by_regs, by_smem, by_threads, cap))
+
+
+_OCCUPANCY: dict = {}
+
+
+def _occupancy(kernel, threads: int, shared: int, cap: int) -> int:
+    """Blocks per SM of `kernel` at this launch shape, once per kernel and shape. Also lets the
+    kernel use `shared` bytes of dynamic shared memory: past 48 KiB, static included, a kernel
+    must opt in."""
+    key = (kernel, threads, shared, cap)
+    per_sm = _OCCUPANCY.get(key)
+    if per_sm is None:
+        if kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        per_sm = _OCCUPANCY[key] = _blocks_per_sm(kernel.num_regs, threads,
+                                                  shared + kernel.shared_size_bytes, cap)
+    return per_sm
 
 
 def v3_launch_shape(hidden: int) -> tuple[int, int, int]:
@@ -214,9 +235,7 @@ def _launch_v2(args, outs, a, eps, framework, device, stream) -> None:
     per_thread, resident, threads = v2_launch_shape(streams, hidden)
     kernel = SOURCE.kernel(f"pc_v2_fused<{streams}, {a}, {per_thread}, {'true' if resident else 'false'}>")
     shared = v2_shared_bytes(streams, per_thread, resident, threads)
-    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
-    blocks = min(tokens, _sm_count(device) * _blocks_per_sm(kernel.num_regs, threads, shared))
+    blocks = min(tokens, _sm_count(device) * _occupancy(kernel, threads, shared, cap=2))
     partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
     kernel(
         (blocks,), (threads,),
@@ -235,10 +254,7 @@ def _launch_v3(args, outs, a, eps, framework, device, stream) -> None:
     per_thread, min_blocks, threads = v3_launch_shape(hidden)
     kernel = SOURCE.kernel(f"pc_v3_fused<{streams}, {a}, {per_thread}, {min_blocks}>")
     shared = v3_shared_bytes(streams, per_thread, threads)
-    if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
-    per_sm = _blocks_per_sm(kernel.num_regs, threads, shared + kernel.shared_size_bytes, cap=8)
-    blocks = min(tokens, _sm_count(device) * per_sm)
+    blocks = min(tokens, _sm_count(device) * _occupancy(kernel, threads, shared, cap=8))
     partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
     kernel(
         (blocks,), (threads,),

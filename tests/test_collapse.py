@@ -122,11 +122,14 @@ def _assert_bitwise_equal(a, b, what):
 
 def _assert_within_one_ulp(a, b, what):
     """cuBLAS may pick another algorithm (another fp32 summation order) for another call shape:
-    allow at most 1 bf16 ulp on < 1% of the elements."""
+    allow at most one bf16 rounding step (2^-7 of the larger magnitude) on < 1% of the elements,
+    plus the benchmark's atol 1e-5 where the output cancels to near zero (there the fp32 rounding
+    of the O(1) terms, not the bf16 rounding of the result, sets the difference)."""
     differ = _bits(a) != _bits(b)
     if differ.any():
-        ulp = (b.float().abs() * 2.0**-7).clamp_min(2.0**-133)
-        assert ((a.float() - b.float()).abs() <= ulp).all(), f"{what}: a difference above 1 bf16 ulp"
+        step = torch.maximum(a.float().abs(), b.float().abs()) * 2.0**-7 + 1e-5
+        worst = ((a.float() - b.float()).abs() - step).max().item()
+        assert worst <= 0, f"{what}: a difference {worst:.3g} above one bf16 rounding step"
         assert differ.double().mean().item() < 1e-2, f"{what}: {int(differ.sum())} elements differ"
 
 
