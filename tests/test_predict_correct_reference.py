@@ -1,5 +1,6 @@
 """CPU: the step-by-step float64 reference of the predict-correct backward against torch.autograd,
-its intermediates, and a mirror of the fused v2 kernel's algebra (three reduction rounds)."""
+its intermediates, a mirror of the fused v2 kernel's algebra (three reduction rounds), and the
+one-reduction formulation that kernel v3 computes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from altup_cupy.reference import (
     predict_correct_autograd,
+    predict_correct_backward_one_reduction,
     predict_correct_backward_reference,
     predict_correct_backward_stages,
     predict_correct_forward,
@@ -140,3 +142,14 @@ def test_v2_algebra_matches_reference(n, h, a, nw, b, s):
     mirror = v2_mirror(**inputs)
     for name, r, m in zip(ref._fields, ref, mirror):
         assert _rel(m, r) < 1e-10, (name, _rel(m, r))
+
+
+@pytest.mark.parametrize("n,h,a,nw,b,s", CASES)
+def test_one_reduction_formulation_matches_autograd(n, h, a, nw, b, s):
+    """Kernel v3's algebra: every per-token reduction from one set of dot products of raw rows."""
+    inputs = _inputs(n, h, a, nw, b, s)
+    auto = predict_correct_autograd(**inputs)
+    one = predict_correct_backward_one_reduction(**inputs)
+    for name, o, g in zip(auto._fields, one, auto):
+        assert o.shape == g.shape, name
+        assert _rel(o, g) < 1e-10, (name, _rel(o, g))

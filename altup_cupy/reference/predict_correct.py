@@ -217,3 +217,67 @@ def predict_correct_autograd(grad_corrected, hidden_states, activated, predictio
         corrected = predict_correct_forward(*leaves, active_idx=active_idx, eps=eps, dtype=dtype)
         grads = torch.autograd.grad(corrected, leaves, grad_outputs=grad_corrected.to(dtype))
     return PredictCorrectGradsRef(*grads)
+
+
+def predict_correct_backward_one_reduction(grad_corrected, hidden_states, activated,
+                                           prediction_coefs, correction_coefs, router_weight,
+                                           norm_weight, active_idx: int = 0, eps: float = 1e-6,
+                                           dtype: torch.dtype = torch.float64
+                                           ) -> PredictCorrectGradsRef:
+    """The backward as kernel v3 computes it: ONE set of per-token dot products of the raw rows,
+    then per-token scalars, then fixed linear maps of the rows (SPEC.md section 2's math,
+    reorganised; `pc_v3_fused` in predict_correct_bwd.cu follows it line by line).
+
+        ss_a = <h_a,h_a>, ss_c = <x,x>, Ap_n = sum_d R_nd w_d h_a,d, Ac_n = (same on x),
+        G_ij = <g_i, h_j>, Gc_i = <g_i, x>
+        gk_i = Gc_i - G_ia - sum_j C_aj G_ij          (= <g_i, delta>)
+        dC_ij = G_ij - [i==a] sum_l k_l G_lj          (= <gpred_i, h_j>)
+        <gu_p, h_a> = sum_n gz_p,n Ap_n / H,  <gu_c, x> = sum_n gz_c,n Ac_n / H
+        grad_h_j = sum_l B_jl g_l + [j==a] gx_p,  B_jl = (d_lj + C_lj) - (d_aj + C_aj) k_l
+        grad_x   = sum_l k_l g_l + gx_c,          gx = w (R^T alpha) - beta x,
+        alpha = r gz / H,  beta = r^3 <gu, x> / H
+        S_nd = sum_t r_p gz_p,n h_a,d + r_c gz_c,n x_d;  dR = w S / H,  dw = sum_n R_n S_n / H
+    """
+    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    a = active_idx
+    g, h, x = grad_corrected.to(dtype), hidden_states.to(dtype), activated.to(dtype)
+    P, Q = prediction_coefs.to(dtype), correction_coefs.to(dtype)
+    R, w = router_weight.to(dtype), norm_weight.to(dtype)
+    eye = torch.eye(streams, dtype=dtype, device=g.device)
+
+    # the one reduction: 2 + 3N + N^2 dot products per token
+    ss_a, ss_c = h[a].square().sum(-1), x.square().sum(-1)  # T
+    Ap, Ac = (h[a] * w) @ R.T, (x * w) @ R.T  # T+[N]
+    G = torch.einsum("ibsh,jbsh->bsij", g, h)  # T+[N, N]
+    Gc = torch.einsum("ibsh,bsh->bsi", g, x)  # T+[N]
+
+    # per-token scalars
+    r_p = torch.rsqrt(ss_a / hidden + eps).unsqueeze(-1)  # T+[1]
+    r_c = torch.rsqrt(ss_c / hidden + eps).unsqueeze(-1)
+    m_p, m_c = torch.tanh(r_p * Ap / hidden), torch.tanh(r_c * Ac / hidden)
+    C = (m_p @ P.T).unflatten(-1, (streams, streams))
+    k = m_c @ Q.T + 1.0
+    gk = Gc - G[..., a] - torch.einsum("bsj,bsij->bsi", C[..., a, :], G)
+    gd_h = torch.einsum("bsl,bslj->bsj", k, G)
+    dC = G - eye[a].view(streams, 1) * gd_h.unsqueeze(-2)
+    gz_c = (gk @ Q) * (1.0 - m_c.square())
+    gz_p = (dC.flatten(-2) @ P) * (1.0 - m_p.square())
+    s_p = (gz_p * Ap).sum(-1, keepdim=True) / hidden  # <gu_p, h_a>
+    s_c = (gz_c * Ac).sum(-1, keepdim=True) / hidden  # <gu_c, x>
+    B = (eye + C.transpose(-1, -2)) - (eye[a] + C[..., a, :]).unsqueeze(-1) * k.unsqueeze(-2)
+    alpha_p, alpha_c = r_p * gz_p / hidden, r_c * gz_c / hidden
+    beta_p, beta_c = r_p.pow(3) * s_p / hidden, r_c.pow(3) * s_c / hidden
+
+    # fixed linear maps of the rows
+    gx_p = w * (alpha_p @ R) - beta_p * h[a]
+    gx_c = w * (alpha_c @ R) - beta_c * x
+    grad_h = torch.einsum("bsjl,lbsh->jbsh", B, g)
+    grad_h[a] = grad_h[a] + gx_p
+    grad_x = torch.einsum("bsl,lbsh->bsh", k, g) + gx_c
+
+    # weight gradients
+    tokens = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    S = tokens(r_p * gz_p).T @ tokens(h[a]) + tokens(r_c * gz_c).T @ tokens(x)  # [N, H]
+    grad_P = tokens(dC.flatten(-2)).T @ tokens(m_p)
+    grad_Q = tokens(gk).T @ tokens(m_c)
+    return PredictCorrectGradsRef(grad_h, grad_x, grad_P, grad_Q, w * S / hidden, (R * S).sum(0) / hidden)
