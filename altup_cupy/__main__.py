@@ -6,28 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from ._gpu import gpu_status
 from .bench import RESULTS_DIR, REPO_ROOT
 from .workloads import OPS, SUITES
 
 FIGURES_DIR = REPO_ROOT / "figures"
 README = REPO_ROOT / "README.md"
-
-
-def gpu_status() -> tuple[bool, str]:
-    """(usable, why not): the kernels need CuPy and torch both seeing a CUDA device."""
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # ImportError, or CUDARuntimeError without a driver
-        return False, f"CuPy cannot reach a CUDA GPU ({type(error).__name__}: {error})"
-    if count == 0:
-        return False, "CuPy sees no CUDA device"
-    import torch
-
-    if not torch.cuda.is_available():
-        return False, "torch has no CUDA support here (the benchmark's baselines need it)"
-    return True, ""
 
 
 def _selected(value: str, choices: tuple[str, ...]) -> tuple[str, ...]:

@@ -14,27 +14,11 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from ._gpu import gpu_status
 from .bench import RESULTS_DIR, csv_path, read_csv
 from .figures import parse_rows
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def gpu_status() -> tuple[bool, str]:
-    """(usable, why not): live measurement needs CuPy and torch both seeing a CUDA device."""
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # ImportError, or a CUDA runtime error without a driver
-        return False, f"CuPy cannot reach a CUDA GPU ({type(error).__name__}: {error})"
-    if count == 0:
-        return False, "CuPy sees no CUDA device"
-    import torch
-
-    if not torch.cuda.is_available():
-        return False, "torch sees no CUDA device"
-    return True, ""
 
 
 def mode(verbose: bool = True) -> str:
