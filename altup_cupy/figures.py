@@ -477,19 +477,3 @@ def regenerate(results_dir: Path | str = RESULTS_DIR, out_dir: Path | str = FIGU
             else:
                 log(f"figures: {op} / {suite} has no {OURS} or PyTorch rows: no speedup figure")
     return written
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m altup_cupy figures [--results DIR] [--out DIR]`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="altup_cupy figures", description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="folder of bench_*.csv")
-    parser.add_argument("--out", type=Path, default=FIGURES_DIR, help="folder the PNGs go to")
-    args = parser.parse_args(argv)
-    regenerate(args.results, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
