@@ -3,7 +3,7 @@
 CuPy arrays and torch CUDA tensors come in; the kernels read and write them in place through
 their device pointers (no copy), on the caller's current stream and device, and the results
 go back as the caller's type. Every argument is checked before anything runs, in a fixed order
-(kind of object, dtype, rank and shape, contiguity, device), and a failed check raises a
+(kind of object, dtype, rank and shape, contiguity, alignment, device), and a failed check raises a
 TypeError or ValueError that names the argument, what was expected and what came.
 """
 
@@ -65,8 +65,14 @@ def _is_contiguous(framework: str, x: Any) -> bool:
     return x.is_contiguous() if framework == "torch" else x.flags.c_contiguous
 
 
-def accept(name: str, x: Any, dtype: str, shape: Sequence[int | None]) -> Arg:
-    """Check one argument's kind, dtype, shape (None = any extent) and contiguity."""
+# The kernels read and write rows with 16-byte vector accesses (and the bulk-copy engine), which
+# fault on a misaligned address: a view into a larger tensor can start anywhere.
+VECTOR_ALIGNMENT = 16
+
+
+def accept(name: str, x: Any, dtype: str, shape: Sequence[int | None], *, vector_rows: bool = False) -> Arg:
+    """Check one argument's kind, dtype, shape (None = any extent) and contiguity; with
+    `vector_rows`, also that it starts on a 16-byte boundary."""
     framework = _framework_of(name, x)
     got = _dtype_name(x)
     if got != dtype:
@@ -80,7 +86,14 @@ def accept(name: str, x: Any, dtype: str, shape: Sequence[int | None]) -> Arg:
             f"{name} must be C-contiguous (a non-contiguous view would be read wrongly); "
             "pass x.contiguous() (torch) or cupy.ascontiguousarray(x)"
         )
-    return Arg(name, x, framework, actual, got)
+    arg = Arg(name, x, framework, actual, got)
+    if vector_rows and arg.ptr % VECTOR_ALIGNMENT:
+        raise ValueError(
+            f"{name} must start at a {VECTOR_ALIGNMENT}-byte aligned address (it starts "
+            f"{arg.ptr % VECTOR_ALIGNMENT} bytes past one, e.g. a view at an odd offset); pass a copy "
+            "(x.clone() in torch, x.copy() in CuPy)"
+        )
+    return arg
 
 
 def same_device(args: Sequence[Arg]) -> tuple[str, int]:

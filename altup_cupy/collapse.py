@@ -63,7 +63,7 @@ def rows_per_block(rows: int, streams: int, hidden: int) -> int:
 
 
 def _validate(hidden_states: Any, unembed_projs: Any, eps: Any):
-    hs = _arrays.accept("hidden_states", hidden_states, BF16, (None, None, None, None))
+    hs = _arrays.accept("hidden_states", hidden_states, BF16, (None, None, None, None), vector_rows=True)
     streams, batch, seq, hidden = hs.shape
     if streams not in SUPPORTED_STREAMS:
         raise ValueError(f"hidden_states must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")

@@ -39,6 +39,8 @@ OP_TITLES = {"collapse": "collapse forward", "predict_correct_backward": "predic
 IMPL_COLORS = {
     "altup_cupy": "#d62728",
     "altup_cupy_v1": "#ff9896",
+    "altup_cupy_v2": "#e377c2",
+    "altup_cupy_v3": "#ff7f0e",
     "torch_eager_fp32": "#1f77b4",
     "torch_eager_bf16gemm": "#9467bd",
     "torch_compile_bf16gemm": "#8c564b",
@@ -48,7 +50,7 @@ IMPL_COLORS = {
     "cublas_gemms_fp32out": "#7f7f7f",
     "copy_floor": "#404040",
 }
-_SPARE_COLORS = ("#e377c2", "#ff7f0e", "#98df8a", "#c5b0d5", "#aec7e8", "#ffbb78", "#393b79")
+_SPARE_COLORS = ("#98df8a", "#c5b0d5", "#aec7e8", "#ffbb78", "#393b79")
 OP_MARKERS = {"collapse": "o", "predict_correct_backward": "s"}
 DPI = 110
 _RC = {

@@ -1,6 +1,10 @@
 """Host side of the AltUp predict-correct backward (SPEC.md section 2).
 
-v3 (default): `pc_v3_fused` in predict_correct_bwd.cu: one pass over memory on a persistent grid
+Default: v4 where its shared-memory ring fits (H <= 4096), otherwise v3.
+v4: `pc_v4_fused`: v3's arithmetic with each token's rows streamed into a ring of shared-memory
+stages by the bulk-copy engine (cp.async.bulk completing on an mbarrier), tokens ahead of the
+compute; two blocks per SM where two fit; the same partials and reduction as v3.
+v3: `pc_v3_fused` in predict_correct_bwd.cu: one pass over memory on a persistent grid
 (two blocks per SM for H <= 2560; block b handles tokens b, b + G, ...) with ONE block reduction
 per token, writing per-block partials of the weight gradients that `pc_reduce_partials` sums in
 a fixed order (bitwise deterministic).
@@ -11,8 +15,9 @@ v1 (teaching): one small kernel per derivation stage with intermediates in globa
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy
 
@@ -24,9 +29,20 @@ SUPPORTED_STREAMS = (2, 3, 4)
 # v3 instantiations: (slices per thread, min blocks per SM); launch bound 320 threads for two
 # blocks per SM (H <= 2560), 512 for one.
 V3_VARIANTS = ((1, 2), (1, 1), (2, 1))
-VERSIONS = (1, 2, 3)
-DEFAULT_VERSION = 3
+VERSIONS = (1, 2, 3, 4)
+DEFAULT_VERSION = None  # v4 where it applies (v4_supported), else v3
 MAX_HIDDEN = 8192  # v2: 4 slices of 8 per thread x 256 threads; v3: 2 x 512
+# v4: one slice per thread; at most V4_MAX_STAGES ring stages (kV4MaxStages in the .cu); the most
+# threads per block by blocks per SM and N (V4Config in the .cu).
+V4_BLOCKS_PER_SM = (2, 1)
+V4_MAX_STAGES = 4
+# Hopper's shared memory: 228 KiB per SM, at most 227 KiB per block, 1 KiB reserved per block.
+SHARED_PER_SM = 228 * 1024
+SHARED_PER_BLOCK = 227 * 1024
+SHARED_RESERVED_PER_BLOCK = 1024
+# A bound on v4's static shared memory (V3Shared<N> and the stage barriers: under 5 KiB for N = 4)
+# for deciding without a GPU whether v4 applies; launches use the compiled kernel's own number.
+V4_STATIC_SHARED_BOUND = 8 * 1024
 RESIDENT_THREADS = {2: 320, 3: 320, 4: 256}  # launch bounds of the resident v2 kernels
 NONRESIDENT_THREADS = 256
 NONRESIDENT_SLICES = (2, 4)
@@ -46,6 +62,7 @@ def _name_expressions() -> tuple[str, ...]:
             names.append(f"pc_v2_fused<{n}, {a}, 1, true>")
             names += [f"pc_v2_fused<{n}, {a}, {s}, false>" for s in NONRESIDENT_SLICES]
             names += [f"pc_v3_fused<{n}, {a}, {s}, {b}>" for s, b in V3_VARIANTS]
+            names += [f"pc_v4_fused<{n}, {a}, {b}>" for b in V4_BLOCKS_PER_SM]
     return tuple(names)
 
 
@@ -62,7 +79,8 @@ class PredictCorrectGrads(NamedTuple):
 
 
 def partial_stride(streams: int, hidden: int) -> int:
-    """Floats in one block's weight-gradient partials: dR [N*H] | dw [H] | dP [N^3] | dQ [N^2]."""
+    """Floats in one block's weight-gradient partials: dR [N*H] | dw [H] | dP [N^3] | dQ [N^2].
+    A multiple of 4 (H is a multiple of 8, N^2 (N + 1) one of 4): pc_reduce_partials reads float4."""
     return (streams + 1) * hidden + streams**3 + streams**2
 
 
@@ -146,9 +164,69 @@ def v3_shared_bytes(streams: int, per_thread: int, threads: int) -> int:
     return streams * per_thread * 8 * threads * 4
 
 
+def v4_threads(hidden: int) -> int:
+    """Threads per v4 block: one 8-element slice each, rounded up to whole warps."""
+    return -(-(hidden // 8) // 32) * 32
+
+
+def v4_shared_bytes(streams: int, hidden: int, stages: int) -> int:
+    """Dynamic shared memory of v4: `stages` stages of 2N+1 bf16 rows, then R*w in fp32 [N, H]."""
+    return stages * (2 * streams + 1) * 2 * hidden + streams * hidden * 4
+
+
+def v4_max_threads(streams: int, blocks_per_sm: int) -> int:
+    """V4Config<N, blocks per SM>::max_threads of the .cu."""
+    return 512 if blocks_per_sm == 1 else (256 if streams == 4 else 288)
+
+
+def _v4_fits(streams: int, hidden: int, stages: int, blocks_per_sm: int, static_bytes: int) -> bool:
+    per_block = v4_shared_bytes(streams, hidden, stages) + static_bytes
+    return (per_block <= SHARED_PER_BLOCK and v4_threads(hidden) <= v4_max_threads(streams, blocks_per_sm)
+            and blocks_per_sm * (per_block + SHARED_RESERVED_PER_BLOCK) <= SHARED_PER_SM)
+
+
+def v4_supported(streams: int, hidden: int) -> bool:
+    """Whether v4's ring of two stages (the fewest that overlap loads with compute) fits one block."""
+    return _v4_fits(streams, hidden, 2, 1, V4_STATIC_SHARED_BOUND)
+
+
+def v4_launch_plan(streams: int, hidden: int, static_bytes: int = V4_STATIC_SHARED_BOUND,
+                   blocks_per_sm: int | None = None, stages: int | None = None) -> tuple[int, int]:
+    """(blocks per SM, ring stages) of v4: two blocks an SM where two fit with two stages each,
+    else one; then the most stages (at most V4_MAX_STAGES) that fit. Either can be fixed by the caller
+    (v4_plan_override); a choice that does not fit raises ValueError."""
+    if not v4_supported(streams, hidden):
+        raise ValueError(f"v4 does not apply to N = {streams}, H = {hidden}: its shared-memory ring "
+                         f"does not fit (H <= 4096 needed); use version 3")
+    for per_sm in ((blocks_per_sm,) if blocks_per_sm else (2, 1)):
+        for count in ((stages,) if stages else range(V4_MAX_STAGES, 1, -1)):
+            if per_sm in V4_BLOCKS_PER_SM and 2 <= count <= V4_MAX_STAGES and \
+                    _v4_fits(streams, hidden, count, per_sm, static_bytes):
+                return per_sm, count
+    raise ValueError(f"v4 with {blocks_per_sm} blocks per SM and {stages} stages does not fit "
+                     f"N = {streams}, H = {hidden}")
+
+
+# (blocks per SM, stages) that v4 launches with instead of v4_launch_plan's choice; None each for
+# the default. Set only through v4_plan_override.
+_v4_override: tuple[int | None, int | None] = (None, None)
+
+
+@contextlib.contextmanager
+def v4_plan_override(blocks_per_sm: int | None = None, stages: int | None = None) -> Iterator[None]:
+    """Launch v4 with this plan inside the block (the tuning sweep and the tests that cover every
+    plan); a plan that does not fit the shape raises ValueError at the call."""
+    global _v4_override
+    saved, _v4_override = _v4_override, (blocks_per_sm, stages)
+    try:
+        yield
+    finally:
+        _v4_override = saved
+
+
 def _validate(grad_corrected, hidden_states, activated, prediction_coefs, correction_coefs,
               router_weight, norm_weight, active_idx, eps):
-    g = _arrays.accept("grad_corrected", grad_corrected, BF16, (None, None, None, None))
+    g = _arrays.accept("grad_corrected", grad_corrected, BF16, (None, None, None, None), vector_rows=True)
     streams, batch, seq, hidden = g.shape
     if streams not in SUPPORTED_STREAMS:
         raise ValueError(f"grad_corrected must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
@@ -156,12 +234,12 @@ def _validate(grad_corrected, hidden_states, activated, prediction_coefs, correc
         raise ValueError(f"hidden size H (grad_corrected dim 3) must be divisible by 8, got {hidden}")
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size H (grad_corrected dim 3) must be at most {MAX_HIDDEN}, got {hidden}")
-    hs = _arrays.accept("hidden_states", hidden_states, BF16, (streams, batch, seq, hidden))
-    act = _arrays.accept("activated", activated, BF16, (batch, seq, hidden))
+    hs = _arrays.accept("hidden_states", hidden_states, BF16, (streams, batch, seq, hidden), vector_rows=True)
+    act = _arrays.accept("activated", activated, BF16, (batch, seq, hidden), vector_rows=True)
     P = _arrays.accept("prediction_coefs", prediction_coefs, BF16, (streams * streams, streams))
     Q = _arrays.accept("correction_coefs", correction_coefs, BF16, (streams, streams))
-    R = _arrays.accept("router_weight", router_weight, BF16, (streams, hidden))
-    w = _arrays.accept("norm_weight", norm_weight, BF16, (hidden,))
+    R = _arrays.accept("router_weight", router_weight, BF16, (streams, hidden), vector_rows=True)
+    w = _arrays.accept("norm_weight", norm_weight, BF16, (hidden,), vector_rows=True)
     a = _arrays.index_in_range("active_idx", active_idx, streams)
     eps = _arrays.positive_finite("eps", eps)
     args = (g, hs, act, P, Q, R, w)
@@ -172,7 +250,7 @@ def _validate(grad_corrected, hidden_states, activated, prediction_coefs, correc
 def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated: Any,
                              prediction_coefs: Any, correction_coefs: Any, router_weight: Any,
                              norm_weight: Any, active_idx: int = 0, eps: float = 1e-6, *,
-                             version: int = DEFAULT_VERSION) -> PredictCorrectGrads:
+                             version: int | None = DEFAULT_VERSION) -> PredictCorrectGrads:
     """The six gradients of AltUp's predict + correct step (SPEC.md section 2).
 
     grad_corrected, hidden_states: bf16 [N, B, S, H]; activated: bf16 [B, S, H];
@@ -180,16 +258,22 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     norm_weight bf16 [H]; N in {2, 3, 4}, H divisible by 8 and at most 8192.
     Returns `PredictCorrectGrads` of the caller's array type: bf16 activation gradients and fp32
     weight gradients, computed on the caller's current stream. Inputs are not modified.
-    version 3 (default): fused single pass, one block reduction per token; version 2: fused, three
-    reduction rounds per token; version 1: step-by-step kernels.
+    version None (default): 4 where it applies (H <= 4096), else 3. Version 4: fused single pass
+    with the rows streamed through a shared-memory ring by the bulk-copy engine; 3: fused single
+    pass, one block reduction per token; 2: fused, three reduction rounds per token; 1:
+    step-by-step kernels.
     """
-    if version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    if version is not None and version not in VERSIONS:
+        raise ValueError(f"version must be None or one of {VERSIONS}, got {version!r}")
     args, a, eps, framework, device = _validate(grad_corrected, hidden_states, activated,
                                                 prediction_coefs, correction_coefs, router_weight,
                                                 norm_weight, active_idx, eps)
     g = args[0]
     streams, batch, seq, hidden = g.shape
+    if version is None:
+        version = 4 if v4_supported(streams, hidden) else 3
+    elif version == 4:
+        v4_launch_plan(streams, hidden)  # a clear error where v4 does not apply
     tokens = batch * seq
     grad_hs = _arrays.empty(framework, g, (streams, batch, seq, hidden), BF16)
     grad_act = _arrays.empty(framework, g, (batch, seq, hidden), BF16)
@@ -203,7 +287,9 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
         grad_R = _arrays.empty(framework, g, (streams, hidden), F32)
         grad_w = _arrays.empty(framework, g, (hidden,), F32)
         outs = (grad_hs, grad_act, grad_P, grad_Q, grad_R, grad_w)
-        if version == 3:
+        if version == 4:
+            _launch_v4(args, outs, a, eps, framework, device, stream)
+        elif version == 3:
             _launch_v3(args, outs, a, eps, framework, device, stream)
         elif version == 2:
             _launch_v2(args, outs, a, eps, framework, device, stream)
@@ -218,9 +304,9 @@ def _ptr(arg) -> numpy.uint64:
 
 def _reduce(partials, blocks: int, streams: int, hidden: int, outs, stream) -> None:
     _, _, grad_P, grad_Q, grad_R, grad_w = outs
-    total = partial_stride(streams, hidden)
+    columns = partial_stride(streams, hidden) // 4  # float4 columns, 32 per block
     SOURCE.kernel(f"pc_reduce_partials<{streams}>")(
-        (-(-total // 32),), (256,),
+        (-(-columns // 32),), (1024,),
         (_ptr(partials), numpy.int32(blocks), numpy.int32(hidden), _ptr(grad_R), _ptr(grad_w),
          _ptr(grad_P), _ptr(grad_Q)),
         stream=stream,
@@ -260,6 +346,29 @@ def _launch_v3(args, outs, a, eps, framework, device, stream) -> None:
         (blocks,), (threads,),
         (_ptr(g), _ptr(hs), _ptr(act), _ptr(P), _ptr(Q), _ptr(R), _ptr(w), _ptr(grad_hs),
          _ptr(grad_act), _ptr(partials), numpy.int32(hidden), numpy.int64(tokens), numpy.float32(eps)),
+        stream=stream, shared_mem=shared,
+    )
+    _reduce(partials, blocks, streams, hidden, outs, stream)
+
+
+def _launch_v4(args, outs, a, eps, framework, device, stream) -> None:
+    g, hs, act, P, Q, R, w = args
+    grad_hs, grad_act = outs[0], outs[1]
+    streams, batch, seq, hidden = g.shape
+    tokens = batch * seq
+    blocks_per_sm, stages = _v4_override
+    per_sm, _ = v4_launch_plan(streams, hidden, blocks_per_sm=blocks_per_sm, stages=stages)
+    kernel = SOURCE.kernel(f"pc_v4_fused<{streams}, {a}, {per_sm}>")
+    per_sm, ring = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, per_sm, stages)
+    shared = v4_shared_bytes(streams, hidden, ring)
+    threads = v4_threads(hidden)
+    blocks = min(tokens, _sm_count(device) * _occupancy(kernel, threads, shared, cap=per_sm))
+    partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
+    kernel(
+        (blocks,), (threads,),
+        (_ptr(g), _ptr(hs), _ptr(act), _ptr(P), _ptr(Q), _ptr(R), _ptr(w), _ptr(grad_hs),
+         _ptr(grad_act), _ptr(partials), numpy.int32(hidden), numpy.int64(tokens), numpy.float32(eps),
+         numpy.int32(ring)),
         stream=stream, shared_mem=shared,
     )
     _reduce(partials, blocks, streams, hidden, outs, stream)

@@ -23,6 +23,8 @@
 //       is a linear combination of dot products of the raw rows (<g_i, h_j>, <g_i, act>, ...), so
 //       one round computes them all (a spread butterfly: V - 1 shuffles for V values); rows read
 //       twice through L1 instead of held in registers, S in shared memory: two blocks per SM.
+//   v4: v3's arithmetic with the rows streamed into a ring of shared-memory stages by the bulk-copy
+//       engine (cp.async.bulk + mbarrier), tokens ahead of the compute; S in registers, R*w precomputed.
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -35,43 +37,52 @@ __host__ __device__ constexpr long long partial_stride(int n, int hidden) {
 }
 
 // out[e] = the sum over blocks b of partials[b * stride + e], written to the four fp32 weight
-// gradients. A block of 256 threads takes 32 consecutive entries: warp y sums blocks y, y + 8,
-// y + 16, ... (four interleaved chains keep loads in flight), then the eight warp sums are added
-// in a fixed order. Deterministic: a fixed summation order, no atomics.
+// gradients. A block of 1024 threads takes 128 consecutive entries as 32 float4 columns: warp y
+// sums blocks y, y + 32, y + 64, ... (four interleaved chains keep loads in flight; the partials
+// were just written and sit in L2, so what costs is latency), then warp 0 adds the 32 warp sums in
+// a fixed order. Deterministic: a fixed summation order, no atomics. The stride is a multiple of
+// 4 floats for every supported N and H (host: partial_stride), so rows stay 16-byte aligned.
 template <int N>
-__global__ void __launch_bounds__(256) pc_reduce_partials(
-    const float* __restrict__ partials, const int blocks, const int hidden,
+__global__ void __launch_bounds__(1024) pc_reduce_partials(
+    const float4* __restrict__ partials, const int blocks, const int hidden,
     float* __restrict__ grad_router,  // [N, H]
     float* __restrict__ grad_norm,    // [H]
     float* __restrict__ grad_pred,    // [N*N, N]
     float* __restrict__ grad_corr) {  // [N, N]
-    constexpr int kGroups = 8;
-    __shared__ float sums[kGroups][32];
-    const long long stride = partial_stride(N, hidden);
+    constexpr int kGroups = 32;
+    __shared__ float4 sums[kGroups][32];
+    const long long stride4 = partial_stride(N, hidden) / 4;
     const int col = threadIdx.x & 31, group = threadIdx.x >> 5;
-    const long long e = static_cast<long long>(blockIdx.x) * 32 + col;
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    if (e < stride) {
+    const long long e4 = static_cast<long long>(blockIdx.x) * 32 + col;
+    auto add = [](float4& s, const float4 x) { s.x += x.x; s.y += x.y; s.z += x.z; s.w += x.w; };
+    float4 s[4] = {};
+    if (e4 < stride4) {
         int b = group;
         for (; b + 3 * kGroups < blocks; b += 4 * kGroups) {
-            s0 += partials[(b + 0 * kGroups) * stride + e];
-            s1 += partials[(b + 1 * kGroups) * stride + e];
-            s2 += partials[(b + 2 * kGroups) * stride + e];
-            s3 += partials[(b + 3 * kGroups) * stride + e];
-        }
-        for (; b < blocks; b += kGroups) s0 += partials[b * stride + e];
-    }
-    sums[group][col] = (s0 + s1) + (s2 + s3);
-    __syncthreads();
-    if (group != 0 || e >= stride) return;
-    float total = 0.0f;
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) total += sums[g][col];
+            for (int k = 0; k < 4; ++k) add(s[k], partials[(b + k * kGroups) * stride4 + e4]);
+        }
+        for (; b < blocks; b += kGroups) add(s[0], partials[b * stride4 + e4]);
+    }
+    add(s[0], s[1]);
+    add(s[2], s[3]);
+    add(s[0], s[2]);
+    sums[group][col] = s[0];
+    __syncthreads();
+    if (group != 0 || e4 >= stride4) return;
+    float4 total = {};
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) add(total, sums[g][col]);
+    const float values[4] = {total.x, total.y, total.z, total.w};
     const long long nh = static_cast<long long>(N) * hidden;
-    if (e < nh) grad_router[e] = total;
-    else if (e < nh + hidden) grad_norm[e - nh] = total;
-    else if (e < nh + hidden + N * N * N) grad_pred[e - nh - hidden] = total;
-    else grad_corr[e - nh - hidden - N * N * N] = total;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const long long e = 4 * e4 + q;
+        if (e < nh) grad_router[e] = values[q];
+        else if (e < nh + hidden) grad_norm[e - nh] = values[q];
+        else if (e < nh + hidden + N * N * N) grad_pred[e - nh - hidden] = values[q];
+        else grad_corr[e - nh - hidden - N * N * N] = values[q];
+    }
 }
 
 // cp.async: a 16-byte global -> shared copy that bypasses registers (and L1: .cg).
@@ -992,6 +1003,203 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
     }
 }
 
+// What v3 and v4 keep in static shared memory: the reduction's per-warp sums, the token's totals,
+// scalars and broadcast coefficients, and the coefficient matrices in fp32.
+template <int N>
+struct V3Shared {
+    float scratch[V3Layout<N>::kValues][33];  // per-warp partial sums (+1: no bank conflicts)
+    float totals[V3Layout<N>::kValues];
+    float coefs[V3Layout<N>::kCoefs];
+    V3Scalars<N> token_scalars;
+    float P[N * N * N], Q[N * N];  // read by warp 0 for every token
+};
+
+// The coefficient matrices, bf16 -> fp32, into shared memory; ends on a barrier.
+template <int N>
+__device__ __forceinline__ void v3_stage_coefficients(V3Shared<N>& sh, const unsigned short* __restrict__ P,
+                                                      const unsigned short* __restrict__ Q) {
+    for (int i = threadIdx.x; i < N * N * N + N * N; i += blockDim.x) {
+        const float value = __uint_as_float(static_cast<unsigned int>(i < N * N * N ? P[i] : Q[i - N * N * N]) << 16);
+        if (i < N * N * N) sh.P[i] = value; else sh.Q[i - N * N * N] = value;
+    }
+    __syncthreads();
+}
+
+// R[n] * w of one slice in fp32 from the packed bf16 weights (the router statistics and both
+// router backwards use only this product), computed where it is used.
+template <int N>
+struct V3RouterTimesNorm {
+    uint4 rn[N], wn;
+    __device__ __forceinline__ V3RouterTimesNorm(const uint4* __restrict__ router, const uint4* __restrict__ norm,
+                                                 const int slice, const int slices) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);
+        wn = __ldg(norm + slice);
+    }
+    __device__ __forceinline__ float operator()(const int n, const int e) const { return bf16_at(rn[n], e) * bf16_at(wn, e); }
+    // sum_n R[n] w alpha_n at element e, with w factored out (one multiply instead of N).
+    __device__ __forceinline__ float dot(const int e, const float* __restrict__ alpha) const {
+        float sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < N; ++n) sum = fmaf(bf16_at(rn[n], e), alpha[n], sum);
+        return bf16_at(wn, e) * sum;
+    }
+};
+
+// Pass 1 of one slice: its share of the 2 + 3N + N^2 dot products of the raw rows, added to v.
+// rw(n, e): R[n] * w at element e of the slice (fp32), fetched where it is used so that it never
+// occupies registers across the pass. Router statistics first (h_a, act, R w), then the Gram
+// products (g, h, act): two loops keep fewer unpacked values alive at once.
+template <int N, int A, typename RouterTimesNorm>
+__device__ __forceinline__ void v3_dot_products(const V3Rows<N>& r, const RouterTimesNorm& rw,
+                                                float (&v)[V3Layout<N>::kValuesPow2]) {
+    using L = V3Layout<N>;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+        const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e);
+        v[L::kSsA] = fmaf(ha, ha, v[L::kSsA]);
+        v[L::kSsC] = fmaf(ac, ac, v[L::kSsC]);
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            const float rwe = rw(n, e);
+            v[L::kAp + n] = fmaf(rwe, ha, v[L::kAp + n]);
+            v[L::kAc + n] = fmaf(rwe, ac, v[L::kAc + n]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            const float gi = bf16_at(r.g[i], e);
+            v[L::kGc + i] = fmaf(gi, bf16_at(r.act, e), v[L::kGc + i]);
+#pragma unroll
+            for (int j = 0; j < N; ++j) v[L::kG + i * N + j] = fmaf(gi, bf16_at(r.h[j], e), v[L::kG + i * N + j]);
+        }
+    }
+}
+
+// One block reduction of the token's dot products (each warp by a spread butterfly, lane l ending
+// with value l, then warp 0 sums the warps in a fixed order), then warp 0's scalar phase.
+// `after_reduction` runs on every thread right after the reduction's barrier, when every warp has
+// finished with the previous token (v4 refills that token's stage there). Ends on a barrier, with
+// sh.coefs holding the token's broadcast coefficients.
+template <int N, int A, typename AfterReduction>
+__device__ __forceinline__ void v3_reduce_token(float (&v)[V3Layout<N>::kValuesPow2], V3Shared<N>& sh, float inv_h,
+                                                float eps, float (&coef_grads)[V3Layout<N>::kCoefGradsPerLane],
+                                                AfterReduction after_reduction) {
+    using L = V3Layout<N>;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    {
+        const float warp_total = warp_sum_spread<L::kValuesPow2>(v);
+        if (lane < L::kValues) sh.scratch[lane][warp] = warp_total;
+    }
+    __syncthreads();
+    after_reduction();
+    if (warp == 0) {
+        if (lane < L::kValues) {
+            float total = 0.0f;
+            for (int w = 0; w < warps; ++w) total += sh.scratch[lane][w];
+            sh.totals[lane] = total;
+        }
+        __syncwarp();
+        v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs, sh.P, sh.Q, inv_h, eps, coef_grads);
+    }
+    __syncthreads();
+}
+
+// Pass 2, first part: the slice's S[n] += sigma_p[n] h_a + sigma_c[n] act (c: the token's
+// broadcast coefficients, V3Layout). s(n, e): a reference to S[n] at element e of the slice
+// (shared memory in v3, registers in v4).
+template <int N, int A, typename SliceOfS>
+__device__ __forceinline__ void v3_accumulate_s(const V3Rows<N>& r, const float* __restrict__ c, const SliceOfS& s) {
+    using L = V3Layout<N>;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+        const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e);
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float& acc = s(n, e);
+            acc = fmaf(c[L::kSigmaP + n], ha, fmaf(c[L::kSigmaC + n], ac, acc));
+        }
+    }
+}
+
+// Pass 2, second part: the slice's activation gradients, written once (evict-first).
+// grad_act_out / grad_hs_out point at the slice in grad_act and in stream 0 of grad_hs.
+// One output row at a time, so only that row's coefficients and results are live.
+template <int N, int A, typename RouterTimesNorm>
+__device__ __forceinline__ void v3_output_slice(const V3Rows<N>& r, const RouterTimesNorm& rw, const float* __restrict__ c,
+                                                uint4* __restrict__ grad_act_out, uint4* __restrict__ grad_hs_out,
+                                                const long long stream_stride) {
+    using L = V3Layout<N>;
+    {  // grad_act = sum_l k_l g_l + (R w)^T alpha_c - beta_c act
+        float out[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            float gd = 0.0f;
+#pragma unroll
+            for (int n = 0; n < N; ++n) gd = fmaf(c[L::kK + n], bf16_at(r.g[n], e), gd);
+            out[e] = gd + fmaf(-c[L::kBetaC], bf16_at(r.act, e), rw.dot(e, c + L::kAlphaC));
+        }
+        __stcs(grad_act_out, pack_bf16x8(out));
+    }
+    // grad_h_j = sum_l B_jl g_l (+ (R w)^T alpha_p - beta_p h_a): stream A first, right after
+    // grad_act, so the R w products both use are not held across the other rows.
+#pragma unroll
+    for (int row = 0; row < N; ++row) {
+        const int j = row == 0 ? A : (row <= A ? row - 1 : row);
+        float out[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            float acc = 0.0f;
+            if (j == A) {
+                acc = fmaf(-c[L::kBetaP], bf16_at(r.h[A], e), rw.dot(e, c + L::kAlphaP));
+            }
+#pragma unroll
+            for (int l = 0; l < N; ++l) acc = fmaf(c[L::kB + j * N + l], bf16_at(r.g[l], e), acc);
+            out[e] = acc;
+        }
+        __stcs(grad_hs_out + j * stream_stride, pack_bf16x8(out));
+    }
+}
+
+// One slice of the block's router and norm-weight partials from its S (pc_reduce_partials'
+// layout): dR[n,d] = w_d S[n,d] / H, dw[d] = sum_n R[n,d] S[n,d] / H.
+template <int N>
+__device__ __forceinline__ void v3_write_router_partials(float* __restrict__ part, const float (&s)[N][kVec],
+                                                         const uint4* __restrict__ router, const uint4* __restrict__ norm,
+                                                         const int slice, const int slices, const float inv_h) {
+    const int hidden = slices * kVec;
+    float rn[N][kVec], wn[kVec];
+#pragma unroll
+    for (int n = 0; n < N; ++n) unpack_bf16x8(__ldg(router + n * slices + slice), rn[n]);
+    unpack_bf16x8(__ldg(norm + slice), wn);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+        const int d = slice * kVec + e;
+        float dw = 0.0f;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            part[n * hidden + d] = wn[e] * s[n][e] * inv_h;
+            dw = fmaf(rn[n][e], s[n][e], dw);
+        }
+        part[N * hidden + d] = dw * inv_h;
+    }
+}
+
+// Warp 0's lanes hold the block's coefficient-gradient partials (dP then dQ, lane-strided).
+template <int N>
+__device__ __forceinline__ void v3_write_coef_partials(float* __restrict__ part, const float (&coef_grads)[V3Layout<N>::kCoefGradsPerLane],
+                                                       const int hidden) {
+    using L = V3Layout<N>;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < L::kCoefGradsPerLane; ++i) {
+        const int e = i * 32 + lane;
+        if (e < L::kCoefGrads) part[(N + 1) * hidden + e] = coef_grads[i];
+    }
+}
+
 template <int N, int A, int SLICES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3_fused(
     const uint4* __restrict__ grad,      // [N, M, H] bf16
@@ -1006,179 +1214,256 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
     float* __restrict__ partials,        // [gridDim.x, partial_stride(N, H)] fp32
     const int hidden, const long long tokens, const float eps) {
     using L = V3Layout<N>;
-    extern __shared__ float S[];                 // [N][SLICES][8][blockDim.x]: this block's S
-    __shared__ float scratch[L::kValues][33];    // per-warp partial sums (+1: no bank conflicts)
-    __shared__ float totals[L::kValues];
-    __shared__ float coefs[L::kCoefs];
-    __shared__ V3Scalars<N> token_scalars;
-    __shared__ float P_f32[N * N * N], Q_f32[N * N];  // the coefficient matrices, read every token
-    for (int i = threadIdx.x; i < N * N * N + N * N; i += blockDim.x) {
-        const float value = __uint_as_float(static_cast<unsigned int>(i < N * N * N ? P[i] : Q[i - N * N * N]) << 16);
-        if (i < N * N * N) P_f32[i] = value; else Q_f32[i - N * N * N] = value;
-    }
-    __syncthreads();
+    extern __shared__ float S[];  // [N][SLICES][8][blockDim.x]: this block's S
+    __shared__ V3Shared<N> sh;
+    v3_stage_coefficients<N>(sh, P, Q);
 
     const int slices = hidden / kVec;
     const long long stream_stride = tokens * slices;  // in 16-byte slices; can pass 2^31
     const float inv_h = 1.0f / static_cast<float>(hidden);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     auto s_at = [&](int n, int c, int e) -> float& { return S[((n * SLICES + c) * kVec + e) * blockDim.x + threadIdx.x]; };
-
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
         for (int c = 0; c < SLICES; ++c)
 #pragma unroll
             for (int e = 0; e < kVec; ++e) s_at(n, c, e) = 0.0f;
-    float coef_grads[L::kCoefGradsPerLane];
-#pragma unroll
-    for (int i = 0; i < L::kCoefGradsPerLane; ++i) coef_grads[i] = 0.0f;
+    float coef_grads[L::kCoefGradsPerLane] = {};
 
     V3Rows<N> r;  // one 8-element slice of the token's rows
     for (long long token = blockIdx.x; token < tokens; token += gridDim.x) {
         const long long token_slice0 = token * slices;
-        // ---- pass 1: the 2 + 3N + N^2 dot products of the raw rows (kept packed: bf16_at)
-        float v[L::kValuesPow2];  // the values, then zeros up to a power of two
-#pragma unroll
-        for (int i = 0; i < L::kValuesPow2; ++i) v[i] = 0.0f;
+        float v[L::kValuesPow2] = {};  // the values, then zeros up to a power of two
 #pragma unroll 1  // one slice at a time: SLICES costs no registers
         for (int c = 0; c < SLICES; ++c) {
             const int slice = threadIdx.x + c * blockDim.x;
             if (slice >= slices) continue;
             v3_load<N, false>(r, grad, hs, act, token_slice0 + slice, stream_stride);
-            uint4 rn[N];
-#pragma unroll
-            for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);
-            const uint4 wn = __ldg(norm + slice);
-            // Router statistics first (h_a, act, R, w), then the Gram products (g, h, act): two
-            // loops keep fewer unpacked values alive at once.
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-                const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e), we = bf16_at(wn, e);
-                v[L::kSsA] = fmaf(ha, ha, v[L::kSsA]);
-                v[L::kSsC] = fmaf(ac, ac, v[L::kSsC]);
-#pragma unroll
-                for (int n = 0; n < N; ++n) {
-                    const float rw = bf16_at(rn[n], e) * we;
-                    v[L::kAp + n] = fmaf(rw, ha, v[L::kAp + n]);
-                    v[L::kAc + n] = fmaf(rw, ac, v[L::kAc + n]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    const float gi = bf16_at(r.g[i], e);
-                    v[L::kGc + i] = fmaf(gi, bf16_at(r.act, e), v[L::kGc + i]);
-#pragma unroll
-                    for (int j = 0; j < N; ++j) v[L::kG + i * N + j] = fmaf(gi, bf16_at(r.h[j], e), v[L::kG + i * N + j]);
-                }
-            }
+            v3_dot_products<N, A>(r, V3RouterTimesNorm<N>(router, norm, slice, slices), v);
         }
-        // ---- one block reduction: each warp by a spread butterfly (lane l ends with value l),
-        // then warp 0 sums the warps in a fixed order
-        {
-            const float warp_total = warp_sum_spread<L::kValuesPow2>(v);
-            if (lane < L::kValues) scratch[lane][warp] = warp_total;
-        }
-        __syncthreads();
-        if (warp == 0) {
-            if (lane < L::kValues) {
-                float total = 0.0f;
-                for (int w = 0; w < warps; ++w) total += scratch[lane][w];
-                totals[lane] = total;
-            }
-            __syncwarp();
-            v3_token_scalars<N, A>(totals, token_scalars, coefs, P_f32, Q_f32, inv_h, eps, coef_grads);
-        }
-        __syncthreads();
-        // ---- pass 2: element-wise gradients and the S accumulator
-#pragma unroll 1  // one slice at a time: SLICES costs no registers
+        v3_reduce_token<N, A>(v, sh, inv_h, eps, coef_grads, [] {});
+#pragma unroll 1
         for (int c = 0; c < SLICES; ++c) {
             const int slice = threadIdx.x + c * blockDim.x;
             if (slice >= slices) continue;
             v3_load<N, true>(r, grad, hs, act, token_slice0 + slice, stream_stride);
-            uint4 rn[N];
-#pragma unroll
-            for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);
-            const uint4 wn = __ldg(norm + slice);
-            // One output row at a time, so only that row's coefficients and results are live.
-            {  // S[n] += sigma_p[n] h_a + sigma_c[n] act
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e);
-#pragma unroll
-                    for (int n = 0; n < N; ++n) {
-                        float& s = s_at(n, c, e);
-                        s = fmaf(coefs[L::kSigmaP + n], ha, fmaf(coefs[L::kSigmaC + n], ac, s));
-                    }
-                }
-            }
-            {  // grad_act = sum_l k_l g_l + w (R^T alpha_c) - beta_c act
-                float out[kVec];
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    const float ac = bf16_at(r.act, e);
-                    float rac = 0.0f, gd = 0.0f;
-#pragma unroll
-                    for (int n = 0; n < N; ++n) {
-                        rac = fmaf(bf16_at(rn[n], e), coefs[L::kAlphaC + n], rac);
-                        gd = fmaf(coefs[L::kK + n], bf16_at(r.g[n], e), gd);
-                    }
-                    out[e] = gd + fmaf(bf16_at(wn, e), rac, -coefs[L::kBetaC] * ac);
-                }
-                __stcs(grad_act + token_slice0 + slice, pack_bf16x8(out));
-            }
-#pragma unroll
-            for (int j = 0; j < N; ++j) {  // grad_h_j = sum_l B_jl g_l (+ w (R^T alpha_p) - beta_p h_a)
-                float out[kVec];
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    float acc = 0.0f;
-                    if (j == A) {
-                        const float ha = bf16_at(r.h[A], e);
-                        float rap = 0.0f;
-#pragma unroll
-                        for (int n = 0; n < N; ++n) rap = fmaf(bf16_at(rn[n], e), coefs[L::kAlphaP + n], rap);
-                        acc = fmaf(bf16_at(wn, e), rap, -coefs[L::kBetaP] * ha);
-                    }
-#pragma unroll
-                    for (int l = 0; l < N; ++l) acc = fmaf(coefs[L::kB + j * N + l], bf16_at(r.g[l], e), acc);
-                    out[e] = acc;
-                }
-                __stcs(grad_hs + j * stream_stride + token_slice0 + slice, pack_bf16x8(out));
-            }
+            v3_accumulate_s<N, A>(r, sh.coefs, [&](int n, int e) -> float& { return s_at(n, c, e); });
+            v3_output_slice<N, A>(r, V3RouterTimesNorm<N>(router, norm, slice, slices), sh.coefs, grad_act + token_slice0 + slice, grad_hs + token_slice0 + slice,
+                                  stream_stride);
         }
     }
 
-    // ---- this block's weight-gradient partials, in pc_reduce_partials' layout
     float* part = partials + blockIdx.x * partial_stride(N, hidden);
 #pragma unroll
     for (int c = 0; c < SLICES; ++c) {
         const int slice = threadIdx.x + c * blockDim.x;
         if (slice >= slices) continue;
-        float rn[N][kVec], wn[kVec];
+        float s[N][kVec];
 #pragma unroll
-        for (int n = 0; n < N; ++n) unpack_bf16x8(__ldg(router + n * slices + slice), rn[n]);
-        unpack_bf16x8(__ldg(norm + slice), wn);
+        for (int n = 0; n < N; ++n)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-            const int d = slice * kVec + e;
-            float dw = 0.0f;
+            for (int e = 0; e < kVec; ++e) s[n][e] = s_at(n, c, e);
+        v3_write_router_partials<N>(part, s, router, norm, slice, slices, inv_h);
+    }
+    if (threadIdx.x < 32) v3_write_coef_partials<N>(part, coef_grads, hidden);
+}
+
+// ---------------------------------------------------------------------------------------------
+// v4: v3's arithmetic, fed by the bulk-copy engine
+// ---------------------------------------------------------------------------------------------
+//
+// v3 loads a token's rows only when it starts on that token, so each block waits a full memory
+// latency per token, and nothing is loading while it reduces. v4 changes only how the rows
+// arrive: thread 0 streams each token's 2N + 1 rows (one contiguous 2H-byte copy each) into a
+// ring of `stages` shared-memory stages with cp.async.bulk, completing on one mbarrier per stage,
+// stages - 1 tokens ahead of the compute. A stage is refilled as soon as the block's reduction
+// barrier shows that every warp has finished its previous token. Both passes then read the rows
+// from shared memory (16 bytes per thread, consecutive threads consecutive banks), the slice's
+// R * w is computed once per block (fp32, in shared memory, each thread its own slice), and S stays
+// in registers. One slice per thread (H <= 4096); the per-token math is v3's helpers, unchanged.
+
+constexpr int kV4MaxStages = 4;
+
+__device__ __forceinline__ unsigned int shared_address(const void* p) {
+    return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+}
+
+// Makes the barriers' initialisation visible to the copy engine (the async proxy).
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrive once and announce the bytes the phase's copies will deliver.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(unsigned long long* bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait_parity(unsigned long long* bar, unsigned int parity) {
+    unsigned int done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(shared_address(bar)), "r"(parity)
+            : "memory");
+    }
+}
+
+// A contiguous global -> shared copy by the bulk-copy engine (16-byte aligned, a multiple of 16
+// bytes), counted against `bar`'s expected bytes.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned int bytes,
+                                                    unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar))
+                 : "memory");
+}
+
+// The slice's rows from one stage ([2N+1][slices] uint4: g_0..g_{N-1}, h_0..h_{N-1}, act).
+template <int N>
+__device__ __forceinline__ void v4_read_rows(V3Rows<N>& r, const uint4* stage_slice, const int slices) {
 #pragma unroll
-            for (int n = 0; n < N; ++n) {
-                const float s = s_at(n, c, e);
-                part[n * hidden + d] = wn[e] * s * inv_h;
-                dw = fmaf(rn[n][e], s, dw);
-            }
-            part[N * hidden + d] = dw * inv_h;
+    for (int i = 0; i < N; ++i) {
+        r.g[i] = stage_slice[i * slices];
+        r.h[i] = stage_slice[(N + i) * slices];
+    }
+    r.act = stage_slice[2 * N * slices];
+}
+
+// The slice's R * w in fp32, precomputed once per block: element e of slice x lives in float4
+// plane 2n + e / 4 at index x (consecutive threads, consecutive 16-byte words: no bank conflicts).
+// Each thread writes and reads only its own slice, so no barrier guards the planes.
+template <int N>
+struct V4RouterTimesNorm {
+    const float4* planes;  // this thread's slice in plane 0
+    int slices;
+    __device__ __forceinline__ float operator()(const int n, const int e) const {
+        const float4 q = planes[(2 * n + e / 4) * slices];
+        const int k = e % 4;
+        return k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
+    }
+    // sum_n (R w)[n] alpha_n at element e.
+    __device__ __forceinline__ float dot(const int e, const float* __restrict__ alpha) const {
+        float sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < N; ++n) sum = fmaf((*this)(n, e), alpha[n], sum);
+        return sum;
+    }
+};
+
+// Launch shape by blocks per SM (host: V4_LAUNCH_BOUNDS). Two blocks: at most 288 threads
+// (H <= 2304) and 112 registers for N <= 3 (2 x 9 warps x 32 x 112 fit the SM's 64K;
+// __launch_bounds__(288, 2) alone caps at 96, since ptxas rounds the warps up, and spills), and
+// 256 threads with 128 registers for N = 4 (H <= 2048), whose larger S needs them.
+template <int N, int BLOCKS_PER_SM>
+struct V4Config {
+    static constexpr int max_threads = BLOCKS_PER_SM == 1 ? 512 : (N == 4 ? 256 : 288);
+    static constexpr int max_registers = BLOCKS_PER_SM == 1 || N == 4 ? 128 : 112;
+};
+
+// Dynamic shared memory (host: v4_shared_bytes): `stages` stages of (2N+1) rows of H bf16, then
+// the R * w planes, N * H fp32.
+template <int N, int A, int BLOCKS_PER_SM>
+__global__ void __launch_bounds__((V4Config<N, BLOCKS_PER_SM>::max_threads)) __maxnreg__((V4Config<N, BLOCKS_PER_SM>::max_registers))
+pc_v4_fused(
+    const uint4* __restrict__ grad,      // [N, M, H] bf16
+    const uint4* __restrict__ hs,        // [N, M, H] bf16
+    const uint4* __restrict__ act,       // [M, H] bf16
+    const unsigned short* __restrict__ P,  // [N*N, N] bf16
+    const unsigned short* __restrict__ Q,  // [N, N] bf16
+    const uint4* __restrict__ router,    // [N, H] bf16
+    const uint4* __restrict__ norm,      // [H] bf16
+    uint4* __restrict__ grad_hs,         // [N, M, H] bf16
+    uint4* __restrict__ grad_act,        // [M, H] bf16
+    float* __restrict__ partials,        // [gridDim.x, partial_stride(N, H)] fp32
+    const int hidden, const long long tokens, const float eps, const int stages) {
+    using L = V3Layout<N>;
+    constexpr int kRows = 2 * N + 1;
+    extern __shared__ __align__(16) uint4 ring[];
+    __shared__ __align__(8) unsigned long long stage_full[kV4MaxStages];
+    __shared__ V3Shared<N> sh;
+
+    const int slices = hidden / kVec;
+    const long long stream_stride = tokens * slices;  // in 16-byte slices; can pass 2^31
+    const unsigned int row_bytes = static_cast<unsigned int>(slices) * 16u;
+    const float inv_h = 1.0f / static_cast<float>(hidden);
+    const int slice = threadIdx.x;
+    const bool owns_slice = slice < slices;
+
+    // Thread 0 only: the block's j-th token (token blockIdx.x + j * gridDim.x) into stage j % stages.
+    auto load_token = [&](long long j, int into) {
+        const long long token = blockIdx.x + j * gridDim.x;
+        if (token >= tokens) return;
+        uint4* dst = ring + static_cast<long long>(into) * kRows * slices;
+        mbarrier_arrive_expect_bytes(&stage_full[into], kRows * row_bytes);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            bulk_copy_to_shared(dst + i * slices, grad + i * stream_stride + token * slices, row_bytes, &stage_full[into]);
+            bulk_copy_to_shared(dst + (N + i) * slices, hs + i * stream_stride + token * slices, row_bytes, &stage_full[into]);
+        }
+        bulk_copy_to_shared(dst + 2 * N * slices, act + token * slices, row_bytes, &stage_full[into]);
+    };
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) mbarrier_init(&stage_full[s], 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int j = 0; j < stages; ++j) load_token(j, j);
+    // While the first tokens arrive: P, Q and this thread's R * w.
+    float4* planes = reinterpret_cast<float4*>(ring + static_cast<long long>(stages) * kRows * slices) + slice;
+    const V4RouterTimesNorm<N> rw{planes, slices};
+    if (owns_slice) {
+        const V3RouterTimesNorm<N> from_weights(router, norm, slice, slices);
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                planes[(2 * n + half) * slices] = make_float4(from_weights(n, 4 * half), from_weights(n, 4 * half + 1),
+                                                             from_weights(n, 4 * half + 2), from_weights(n, 4 * half + 3));
+    }
+    v3_stage_coefficients<N>(sh, P, Q);
+
+    float s[N][kVec] = {};
+    float coef_grads[L::kCoefGradsPerLane] = {};
+    V3Rows<N> r;
+    // Token j of this block sits in stage j % stages; that stage's barrier completes its phase
+    // (j / stages) % 2 when the copies land.
+    long long j = 0;
+    int stage = 0;
+    unsigned int phase = 0;
+    for (long long token = blockIdx.x; token < tokens; token += gridDim.x, ++j) {
+        mbarrier_wait_parity(&stage_full[stage], phase);
+        const uint4* stage_slice = ring + static_cast<long long>(stage) * kRows * slices + slice;
+        float v[L::kValuesPow2] = {};
+        if (owns_slice) {
+            v4_read_rows<N>(r, stage_slice, slices);
+            v3_dot_products<N, A>(r, rw, v);
+        }
+        // Past the reduction's barrier every warp is done with token j - 1: refill its stage.
+        v3_reduce_token<N, A>(v, sh, inv_h, eps, coef_grads, [&] {
+            if (threadIdx.x == 0 && j > 0) load_token(j - 1 + stages, stage == 0 ? stages - 1 : stage - 1);
+        });
+        if (owns_slice) {
+            v4_read_rows<N>(r, stage_slice, slices);
+            v3_accumulate_s<N, A>(r, sh.coefs, [&](int n, int e) -> float& { return s[n][e]; });
+            v3_output_slice<N, A>(r, rw, sh.coefs, grad_act + token * slices + slice,
+                                  grad_hs + token * slices + slice, stream_stride);
+        }
+        if (++stage == stages) {
+            stage = 0;
+            phase ^= 1u;
         }
     }
-    if (warp == 0) {
-#pragma unroll
-        for (int i = 0; i < L::kCoefGradsPerLane; ++i) {
-            const int e = i * 32 + lane;
-            if (e < L::kCoefGrads) part[(N + 1) * hidden + e] = coef_grads[i];
-        }
-    }
+
+    float* part = partials + blockIdx.x * partial_stride(N, hidden);
+    if (owns_slice) v3_write_router_partials<N>(part, s, router, norm, slice, slices, inv_h);
+    if (threadIdx.x < 32) v3_write_coef_partials<N>(part, coef_grads, hidden);
 }

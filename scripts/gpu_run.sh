@@ -4,13 +4,16 @@
 # regenerated from the committed CSVs on the development machine (python -m altup_cupy figures),
 # where matplotlib's version is pinned, so the PNGs match CI's regeneration byte for byte.
 # The notebooks stage needs the wheels of .whl/ (nbclient, ipykernel: carry .whl).
-#   bash scripts/gpu_run.sh [bench] [tests] [quickbench] [notebooks]   (default: bench tests notebooks)
-# ALTUP_GIT_SHA names the commit being measured (the device copy has no .git).
+#   bash scripts/gpu_run.sh [sweep] [bench] [tests] [quickbench] [notebooks]   (default: bench tests notebooks)
+# ALTUP_GIT_SHA names the commit being measured (the device copy has no .git). Each stage runs
+# under a time limit (ALTUP_STAGE_LIMIT_S, default 400 s), so a hung kernel ends its stage, not the call.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 stages=${*:-bench tests notebooks}
+limit=${ALTUP_STAGE_LIMIT_S:-400}
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/ import the package from the working copy
 status=0
 {
   echo "git_sha: ${ALTUP_GIT_SHA:-unknown}"
@@ -23,19 +26,22 @@ status=0
 for stage in $stages; do
   start=$(date +%s)
   case $stage in
+    sweep)
+      timeout "$limit" python3 scripts/sweep_v4.py --out "$OUT/sweep_v4.csv" 2>&1 | tee "$OUT/sweep_v4.log"
+      rc=${PIPESTATUS[0]} ;;
     tests)
-      ALTUP_REQUIRE_GPU=1 python3 -m pytest tests -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+      ALTUP_REQUIRE_GPU=1 timeout "$limit" python3 -m pytest tests -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
       rc=${PIPESTATUS[0]} ;;
     bench)
       # Into the working copy's results/h200, so the notebooks executed next show these numbers.
-      python3 -m altup_cupy bench --suite all --reps 50 --results-dir results/h200 --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
+      timeout "$limit" python3 -m altup_cupy bench --suite all --reps 50 --results-dir results/h200 --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
       rc=${PIPESTATUS[0]}
       mkdir -p "$OUT/results" && cp results/h200/bench_*.csv "$OUT/results/" ;;
     quickbench)
-      python3 -m altup_cupy bench --suite benchmark --limit 4 --reps 30 --results-dir "$OUT/quick" --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
+      timeout "$limit" python3 -m altup_cupy bench --suite benchmark --limit 4 --reps 30 --results-dir "$OUT/quick" --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
       rc=${PIPESTATUS[0]} ;;
     notebooks)
-      OUT="$OUT/notebooks" bash scripts/execute_notebooks.sh 2>&1 | tee "$OUT/notebooks.log"
+      OUT="$OUT/notebooks" timeout "$limit" bash scripts/execute_notebooks.sh 2>&1 | tee "$OUT/notebooks.log"
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from altup_cupy import predict_correct_backward
-from altup_cupy.predict_correct import VERSIONS
+from altup_cupy.predict_correct import (V4_BLOCKS_PER_SM, V4_MAX_STAGES, VERSIONS, v4_launch_plan,
+                                         v4_plan_override, v4_supported)
 from altup_cupy.benchmarks.predict_correct import ARG_NAMES, eager_fp32
 from altup_cupy.reference import predict_correct_backward_reference
 from altup_cupy.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
@@ -62,13 +63,49 @@ def test_active_idx(a, version, seeds):
     check_against_reference(w, inputs, out)
 
 
+def _v4_refuses(n, h, version, inputs, a):
+    """v4 where its shared-memory ring does not fit: a clear ValueError, not a launch."""
+    if version != 4 or v4_supported(n, h):
+        return False
+    with pytest.raises(ValueError, match="version 3"):
+        predict_correct_backward(*_args(inputs), a, inputs["eps"], version=4)
+    return True
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("h", [8, 40, 2048, 2560, 3072, 4096, 8192])
+@pytest.mark.parametrize("h", [8, 40, 2048, 2560, 3072, 4096, 4104, 8192])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_streams_and_hidden(n, h, version, seeds):
     w = _small(n, h, 2, 300, a=n - 1)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    if _v4_refuses(n, h, version, inputs, n - 1):
+        return
     out = predict_correct_backward(*_args(inputs), n - 1, inputs["eps"], version=version)
+    check_against_reference(w, inputs, out)
+
+
+def _v4_plans(n, h):
+    plans = []
+    for per_sm in V4_BLOCKS_PER_SM:
+        for stages in range(2, V4_MAX_STAGES + 1):
+            try:
+                plans.append(v4_launch_plan(n, h, blocks_per_sm=per_sm, stages=stages))
+            except ValueError:
+                pass
+    return plans
+
+
+V4_PLAN_CASES = [(n, h, plan) for n, h in [(3, 2304), (4, 2048), (4, 2560), (2, 1024)] for plan in _v4_plans(n, h)]
+
+
+@pytest.mark.parametrize("n,h,plan", V4_PLAN_CASES, ids=[f"N{n}-H{h}-{p[0]}perSM-{p[1]}stages" for n, h, p in V4_PLAN_CASES])
+def test_v4_every_launch_plan(n, h, plan, seeds):
+    """Every (blocks per SM, stages) that fits, on enough tokens that each block's ring wraps
+    several times (both mbarrier phases), with a ragged last round of tokens."""
+    w = _small(n, h, 7, 311, a=1)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    with v4_plan_override(*plan):
+        out = predict_correct_backward(*_args(inputs), 1, inputs["eps"], version=4)
     check_against_reference(w, inputs, out)
 
 
@@ -86,6 +123,8 @@ def test_one_token(n, h, version, seeds):
 def test_versions_agree_and_are_deterministic(n, h, version, seeds):
     w = _small(n, h, 8, 373)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
+    if _v4_refuses(n, h, version, inputs, 0):
+        return
     first = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)
     again = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)
     default = predict_correct_backward(*_args(inputs), 0, inputs["eps"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from altup_cupy import predict_correct_backward
-from altup_cupy.predict_correct import VERSIONS
+from altup_cupy.predict_correct import VERSIONS, v4_launch_plan, v4_supported
 
 N, B, S, H = 3, 2, 3, 16
 
@@ -82,6 +82,42 @@ def test_non_contiguous(name):
         predict_correct_backward(**kw)
 
 
+VECTOR_ARGS = ("grad_corrected", "hidden_states", "activated", "router_weight", "norm_weight")
+
+
+@pytest.mark.parametrize("name", VECTOR_ARGS)
+def test_misaligned(name):
+    """A contiguous view that starts 2 bytes into its storage: the kernels' 16-byte accesses
+    would fault, so it is refused with the argument's name."""
+    kw = good()
+    t = kw[name]
+    kw[name] = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+    assert kw[name].is_contiguous() and kw[name].data_ptr() % 16
+    with pytest.raises(ValueError, match=f"{name} must start at a 16-byte aligned address"):
+        predict_correct_backward(**kw)
+
+
+@pytest.mark.parametrize("n,h,plan", [(3, 2304, (2, 2)), (4, 2048, (2, 2)), (4, 2560, (1, 3)),
+                                      (3, 3072, (1, 4)), (4, 4096, (1, 2))])
+def test_v4_launch_plan(n, h, plan):
+    """Two blocks an SM where two fit, then the most ring stages that fit (228 KiB per SM)."""
+    assert v4_supported(n, h)
+    assert v4_launch_plan(n, h) == plan
+
+
+@pytest.mark.parametrize("n,h", [(2, 4104), (3, 8192), (4, 6144)])
+def test_v4_refuses_shapes_it_cannot_hold(n, h):
+    assert not v4_supported(n, h)
+    with pytest.raises(ValueError, match="version 3"):
+        v4_launch_plan(n, h)
+
+
+@pytest.mark.parametrize("plan", [(2, 3), (1, 5), (3, 2)])
+def test_v4_plan_that_does_not_fit(plan):
+    with pytest.raises(ValueError, match="does not fit"):
+        v4_launch_plan(3, 2304, blocks_per_sm=plan[0], stages=plan[1])
+
+
 @pytest.mark.parametrize("a", [-1, N, 7])
 def test_active_idx_out_of_range(a):
     with pytest.raises(ValueError, match="active_idx"):
@@ -138,7 +174,7 @@ def test_mixed_devices_and_frameworks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [None, *VERSIONS])
 def test_zero_tokens(version):
     kw = {k: v.cuda() for k, v in good(b=0).items()}
     out = predict_correct_backward(**kw, version=version)

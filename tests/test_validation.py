@@ -1,7 +1,7 @@
 """Bad input to `altup_cupy.collapse` gets a clear TypeError/ValueError, never a wrong answer
 (issue 2, point 4); the package imports without CuPy and compiles nothing; the CLI answers
 --help. All of it runs without a GPU: validation happens before anything touches CUDA, and the
-checks come in a fixed order (kind, dtype, shape, contiguity, eps, device), so torch CPU tensors
+checks come in a fixed order (kind, dtype, shape, contiguity, alignment, eps, device), so torch CPU tensors
 reach every check up to the device one.
 """
 
@@ -117,6 +117,14 @@ def test_non_contiguous_hidden_states():
     _, ws = _inputs()
     assert not hs.is_contiguous()
     _raises(ValueError, "hidden_states", "contiguous", call=lambda: collapse(hs, ws))
+
+
+def test_misaligned_hidden_states():
+    """A contiguous view 2 bytes into its storage: the epilogue's 16-byte loads would fault."""
+    _, ws = _inputs()
+    hs = torch.zeros(3 * 4 * 16 + 1, dtype=BF16)[1:].view(3, 1, 4, 16)
+    assert hs.is_contiguous() and hs.data_ptr() % 16
+    _raises(ValueError, "hidden_states", "16-byte aligned", call=lambda: collapse(hs, ws))
 
 
 def test_non_contiguous_weight():

@@ -1,0 +1,97 @@
+"""Tuning sweep of the backward's v4 launch plan on the GPU: every (blocks per SM, ring stages)
+that fits, on workloads spanning the token counts of both suites, beside v3 and the copy floor.
+
+Each plan is first checked against the float64 reference under the benchmark's rule (all six
+outputs), then timed by the benchmark's own method (bench.time_us: L2 flushed before each call,
+warm-up, median). Prints a table and writes CSV rows; the default plan (v4_launch_plan) is chosen
+from what this measures (results/h200/NOTES.md).
+
+    python3 scripts/sweep_v4.py [--reps 30] [--out sweep_v4.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+
+import torch
+
+from altup_cupy.bench import run_info, time_us
+from altup_cupy.benchmarks.predict_correct import PREDICT_CORRECT_BACKWARD as BENCH, ARG_NAMES
+from altup_cupy.predict_correct import (V4_BLOCKS_PER_SM, V4_MAX_STAGES, predict_correct_backward,
+                                        v4_launch_plan, v4_plan_override)
+from altup_cupy.workloads import tolerance_report, workloads
+
+TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite
+
+
+def plans(streams: int, hidden: int) -> list[tuple[int, int]]:
+    found = []
+    for per_sm in V4_BLOCKS_PER_SM:
+        for stages in range(2, V4_MAX_STAGES + 1):
+            try:
+                found.append(v4_launch_plan(streams, hidden, blocks_per_sm=per_sm, stages=stages))
+            except ValueError:
+                pass
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default="sweep_v4.csv")
+    args = parser.parse_args()
+
+    chosen = [w for w in workloads("predict_correct_backward", "benchmark") if w.tokens in TOKENS]
+    chosen = sorted({w.tokens: w for w in chosen}.values(), key=lambda w: w.tokens)
+    chosen += [w for w in workloads("predict_correct_backward", "gemma3n") if w.tokens == 8192]
+    info = run_info()
+    rows = []
+    for i, w in enumerate(chosen):
+        inputs = BENCH.make_inputs(w, 100 + i)
+        reference = BENCH.reference(inputs)
+        args_ = [inputs[k] for k in ARG_NAMES]
+        a, eps = inputs["active_idx"], inputs["eps"]
+        default = v4_launch_plan(w.streams, w.hidden)
+        candidates = [("v4", plan) for plan in plans(w.streams, w.hidden)] + [("v3", None)]
+        for name, plan in candidates:
+            def call(plan=plan, version=4 if plan else 3):
+                with v4_plan_override(*(plan or (None, None))):
+                    return tuple(predict_correct_backward(*args_, a, eps, version=version))
+            outputs = call()
+            torch.cuda.synchronize()
+            reports = [tolerance_report(o, r, w.atol, w.rtol) for o, r in zip(outputs, reference)]
+            del outputs
+            times, _ = time_us(call, args.reps, args.warmup)
+            rows.append({
+                "workload": w.label, "N": w.streams, "H": w.hidden, "tokens": w.tokens,
+                "impl": name, "blocks_per_sm": plan[0] if plan else "", "stages": plan[1] if plan else "",
+                "default": plan == default, "median_us": round(statistics.median(times), 2),
+                "passed": all(r.passed for r in reports),
+                "worst_rel_l2": f"{max(r.rel_l2 for r in reports):.3e}", **info,
+            })
+            print(f"{w.label:22s} {name} plan={plan} default={plan == default} "
+                  f"{rows[-1]['median_us']:9.2f} us passed={rows[-1]['passed']} rel_l2<={rows[-1]['worst_rel_l2']}",
+                  flush=True)
+        copy = next(impl for impl in BENCH.impls(w) if impl.name == "copy_floor").prepare(inputs)
+        times, _ = time_us(copy, args.reps, args.warmup)
+        print(f"{w.label:22s} copy_floor {statistics.median(times):9.2f} us", flush=True)
+        rows.append({"workload": w.label, "N": w.streams, "H": w.hidden, "tokens": w.tokens,
+                     "impl": "copy_floor", "blocks_per_sm": "", "stages": "", "default": "",
+                     "median_us": round(statistics.median(times), 2), "passed": "", "worst_rel_l2": "", **info})
+        del inputs, reference, copy
+        torch.cuda.empty_cache()
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    failed = [r for r in rows if r["passed"] is False]
+    print(f"wrote {args.out}; {len(failed)} configurations FAILED the rule" if failed else f"wrote {args.out}; all passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
