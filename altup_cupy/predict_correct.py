@@ -1,9 +1,10 @@
 """Host side of the AltUp predict-correct backward (SPEC.md section 2).
 
-Default: v4 where its shared-memory ring fits (H <= 4096), otherwise v3.
+Default: v4 where it applies (H <= 2560: one slice per thread and its shared-memory ring fit), otherwise v3.
 v4: `pc_v4_fused`: v3's arithmetic with each token's rows streamed into a ring of shared-memory
-stages by the bulk-copy engine (cp.async.bulk completing on an mbarrier), tokens ahead of the
-compute; two blocks per SM where two fit; the same partials and reduction as v3.
+stages by the bulk-copy engine (cp.async.bulk completing on an mbarrier), two tokens ahead of the
+compute, and the per-token scalar phase on a dedicated warp one token behind the compute warps;
+one block per SM; the same partials and reduction as v3.
 v3: `pc_v3_fused` in predict_correct_bwd.cu: one pass over memory on a persistent grid
 (two blocks per SM for H <= 2560; block b handles tokens b, b + G, ...) with ONE block reduction
 per token, writing per-block partials of the weight gradients that `pc_reduce_partials` sums in
@@ -30,19 +31,20 @@ SUPPORTED_STREAMS = (2, 3, 4)
 # blocks per SM (H <= 2560), 512 for one.
 V3_VARIANTS = ((1, 2), (1, 1), (2, 1))
 VERSIONS = (1, 2, 3, 4)
-DEFAULT_VERSION = None  # v4 where it applies (v4_supported), else v3
+DEFAULT_VERSION = None  # v4 where it applies (v4_supported: H <= 2560), else v3
 MAX_HIDDEN = 8192  # v2: 4 slices of 8 per thread x 256 threads; v3: 2 x 512
-# v4: one slice per thread; at most V4_MAX_STAGES ring stages (kV4MaxStages in the .cu); the most
-# threads per block by blocks per SM and N (V4Config in the .cu).
-V4_BLOCKS_PER_SM = (2, 1)
-V4_MAX_STAGES = 4
+# v4: one slice per compute thread plus the scalar warp, at most V4_MAX_THREADS (kV4MaxThreads in
+# the .cu: H <= 2560); 3 to V4_MAX_STAGES ring stages (kV4MaxStages in the .cu).
+V4_MAX_THREADS = 352
+V4_MIN_STAGES = 3  # token j in pass 1, token j - 1 in pass 2, and one arriving
+V4_MAX_STAGES = 6
 # Hopper's shared memory: 228 KiB per SM, at most 227 KiB per block, 1 KiB reserved per block.
 SHARED_PER_SM = 228 * 1024
 SHARED_PER_BLOCK = 227 * 1024
 SHARED_RESERVED_PER_BLOCK = 1024
-# A bound on v4's static shared memory (V3Shared<N> and the stage barriers: under 5 KiB for N = 4)
+# A bound on v4's static shared memory (V4Shared<N> and the stage barriers: 5.1 KiB for N = 4)
 # for deciding without a GPU whether v4 applies; launches use the compiled kernel's own number.
-V4_STATIC_SHARED_BOUND = 8 * 1024
+V4_STATIC_SHARED_BOUND = 6 * 1024
 RESIDENT_THREADS = {2: 320, 3: 320, 4: 256}  # launch bounds of the resident v2 kernels
 NONRESIDENT_THREADS = 256
 NONRESIDENT_SLICES = (2, 4)
@@ -62,7 +64,7 @@ def _name_expressions() -> tuple[str, ...]:
             names.append(f"pc_v2_fused<{n}, {a}, 1, true>")
             names += [f"pc_v2_fused<{n}, {a}, {s}, false>" for s in NONRESIDENT_SLICES]
             names += [f"pc_v3_fused<{n}, {a}, {s}, {b}>" for s, b in V3_VARIANTS]
-            names += [f"pc_v4_fused<{n}, {a}, {b}>" for b in V4_BLOCKS_PER_SM]
+            names.append(f"pc_v4_fused<{n}, {a}>")
     return tuple(names)
 
 
@@ -133,15 +135,18 @@ def _blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int = 2
 _OCCUPANCY: dict = {}
 
 
-def _occupancy(kernel, threads: int, shared: int, cap: int) -> int:
+def _occupancy(kernel, threads: int, shared: int, cap: int, carveout_shared: bool = False) -> int:
     """Blocks per SM of `kernel` at this launch shape, once per kernel and shape. Also lets the
     kernel use `shared` bytes of dynamic shared memory: past 48 KiB, static included, a kernel
-    must opt in."""
+    must opt in. carveout_shared: ask for the largest shared-memory carveout of L1 (for a kernel
+    that reads through shared memory rather than L1; the driver's default split can be smaller)."""
     key = (kernel, threads, shared, cap)
     per_sm = _OCCUPANCY.get(key)
     if per_sm is None:
         if kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
+        if carveout_shared:
+            kernel.preferred_shared_memory_carveout = 100
         per_sm = _OCCUPANCY[key] = _blocks_per_sm(kernel.num_regs, threads,
                                                   shared + kernel.shared_size_bytes, cap)
     return per_sm
@@ -165,8 +170,9 @@ def v3_shared_bytes(streams: int, per_thread: int, threads: int) -> int:
 
 
 def v4_threads(hidden: int) -> int:
-    """Threads per v4 block: one 8-element slice each, rounded up to whole warps."""
-    return -(-(hidden // 8) // 32) * 32
+    """Threads per v4 block: one compute thread per 8-element slice, rounded up to whole warps,
+    plus the scalar warp."""
+    return -(-(hidden // 8) // 32) * 32 + 32
 
 
 def v4_shared_bytes(streams: int, hidden: int, stages: int) -> int:
@@ -174,54 +180,52 @@ def v4_shared_bytes(streams: int, hidden: int, stages: int) -> int:
     return stages * (2 * streams + 1) * 2 * hidden + streams * hidden * 4
 
 
-def v4_max_threads(streams: int, blocks_per_sm: int) -> int:
-    """V4Config<N, blocks per SM>::max_threads of the .cu."""
-    return 512 if blocks_per_sm == 1 else (256 if streams == 4 else 288)
-
-
-def _v4_fits(streams: int, hidden: int, stages: int, blocks_per_sm: int, static_bytes: int) -> bool:
-    per_block = v4_shared_bytes(streams, hidden, stages) + static_bytes
-    return (per_block <= SHARED_PER_BLOCK and v4_threads(hidden) <= v4_max_threads(streams, blocks_per_sm)
-            and blocks_per_sm * (per_block + SHARED_RESERVED_PER_BLOCK) <= SHARED_PER_SM)
+def _v4_fits(streams: int, hidden: int, stages: int, static_bytes: int) -> bool:
+    return (v4_threads(hidden) <= V4_MAX_THREADS
+            and v4_shared_bytes(streams, hidden, stages) + static_bytes <= SHARED_PER_BLOCK)
 
 
 def v4_supported(streams: int, hidden: int) -> bool:
-    """Whether v4's ring of two stages (the fewest that overlap loads with compute) fits one block."""
-    return _v4_fits(streams, hidden, 2, 1, V4_STATIC_SHARED_BOUND)
+    """Whether v4's ring of V4_MIN_STAGES stages fits one block (and one slice per thread does)."""
+    return _v4_fits(streams, hidden, V4_MIN_STAGES, V4_STATIC_SHARED_BOUND)
 
 
 def v4_launch_plan(streams: int, hidden: int, static_bytes: int = V4_STATIC_SHARED_BOUND,
-                   blocks_per_sm: int | None = None, stages: int | None = None) -> tuple[int, int]:
-    """(blocks per SM, ring stages) of v4: two blocks an SM where two fit with two stages each,
-    else one; then the most stages (at most V4_MAX_STAGES) that fit. Either can be fixed by the caller
-    (v4_plan_override); a choice that does not fit raises ValueError."""
+                   stages: int | None = None) -> int:
+    """Ring stages of v4: the most (at most V4_MAX_STAGES) that fit one block's shared memory, or
+    `stages` if the caller fixes it (v4_plan_override); a choice that does not fit raises ValueError."""
     if not v4_supported(streams, hidden):
         raise ValueError(f"v4 does not apply to N = {streams}, H = {hidden}: its shared-memory ring "
-                         f"does not fit (H <= 4096 needed); use version 3")
-    for per_sm in ((blocks_per_sm,) if blocks_per_sm else (2, 1)):
-        for count in ((stages,) if stages else range(V4_MAX_STAGES, 1, -1)):
-            if per_sm in V4_BLOCKS_PER_SM and 2 <= count <= V4_MAX_STAGES and \
-                    _v4_fits(streams, hidden, count, per_sm, static_bytes):
-                return per_sm, count
-    raise ValueError(f"v4 with {blocks_per_sm} blocks per SM and {stages} stages does not fit "
-                     f"N = {streams}, H = {hidden}")
+                         f"does not fit (H <= 2560 needed); use version 3")
+    for count in ((stages,) if stages else range(V4_MAX_STAGES, V4_MIN_STAGES - 1, -1)):
+        if V4_MIN_STAGES <= count <= V4_MAX_STAGES and _v4_fits(streams, hidden, count, static_bytes):
+            return count
+    raise ValueError(f"v4 with {stages} stages does not fit N = {streams}, H = {hidden}")
 
 
-# (blocks per SM, stages) that v4 launches with instead of v4_launch_plan's choice; None each for
-# the default. Set only through v4_plan_override.
-_v4_override: tuple[int | None, int | None] = (None, None)
+def v4_stage_choices(streams: int, hidden: int) -> list[int]:
+    """Every ring-stage count v4 can launch with for this N and H (the sweep and the tests)."""
+    if not v4_supported(streams, hidden):
+        return []
+    return [count for count in range(V4_MIN_STAGES, V4_MAX_STAGES + 1)
+            if _v4_fits(streams, hidden, count, V4_STATIC_SHARED_BOUND)]
+
+
+# Ring stages that v4 launches with instead of v4_launch_plan's choice (None: the default). Set
+# only through v4_plan_override.
+_v4_stages_override: int | None = None
 
 
 @contextlib.contextmanager
-def v4_plan_override(blocks_per_sm: int | None = None, stages: int | None = None) -> Iterator[None]:
-    """Launch v4 with this plan inside the block (the tuning sweep and the tests that cover every
-    plan); a plan that does not fit the shape raises ValueError at the call."""
-    global _v4_override
-    saved, _v4_override = _v4_override, (blocks_per_sm, stages)
+def v4_plan_override(stages: int | None = None) -> Iterator[None]:
+    """Launch v4 with this many ring stages inside the block (the tuning sweep and the tests that
+    cover every plan); a count that does not fit the shape raises ValueError at the call."""
+    global _v4_stages_override
+    saved, _v4_stages_override = _v4_stages_override, stages
     try:
         yield
     finally:
-        _v4_override = saved
+        _v4_stages_override = saved
 
 
 def _validate(grad_corrected, hidden_states, activated, prediction_coefs, correction_coefs,
@@ -258,7 +262,7 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     norm_weight bf16 [H]; N in {2, 3, 4}, H divisible by 8 and at most 8192.
     Returns `PredictCorrectGrads` of the caller's array type: bf16 activation gradients and fp32
     weight gradients, computed on the caller's current stream. Inputs are not modified.
-    version None (default): 4 where it applies (H <= 4096), else 3. Version 4: fused single pass
+    version None (default): 4 where it applies (H <= 2560), else 3. Version 4: fused single pass
     with the rows streamed through a shared-memory ring by the bulk-copy engine; 3: fused single
     pass, one block reduction per token; 2: fused, three reduction rounds per token; 1:
     step-by-step kernels.
@@ -356,19 +360,17 @@ def _launch_v4(args, outs, a, eps, framework, device, stream) -> None:
     grad_hs, grad_act = outs[0], outs[1]
     streams, batch, seq, hidden = g.shape
     tokens = batch * seq
-    blocks_per_sm, stages = _v4_override
-    per_sm, _ = v4_launch_plan(streams, hidden, blocks_per_sm=blocks_per_sm, stages=stages)
-    kernel = SOURCE.kernel(f"pc_v4_fused<{streams}, {a}, {per_sm}>")
-    per_sm, ring = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, per_sm, stages)
-    shared = v4_shared_bytes(streams, hidden, ring)
+    kernel = SOURCE.kernel(f"pc_v4_fused<{streams}, {a}>")
+    stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, _v4_stages_override)
+    shared = v4_shared_bytes(streams, hidden, stages)
     threads = v4_threads(hidden)
-    blocks = min(tokens, _sm_count(device) * _occupancy(kernel, threads, shared, cap=per_sm))
+    blocks = min(tokens, _sm_count(device) * _occupancy(kernel, threads, shared, cap=1, carveout_shared=True))
     partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
     kernel(
         (blocks,), (threads,),
         (_ptr(g), _ptr(hs), _ptr(act), _ptr(P), _ptr(Q), _ptr(R), _ptr(w), _ptr(grad_hs),
          _ptr(grad_act), _ptr(partials), numpy.int32(hidden), numpy.int64(tokens), numpy.float32(eps),
-         numpy.int32(ring)),
+         numpy.int32(stages)),
         stream=stream, shared_mem=shared,
     )
     _reduce(partials, blocks, streams, hidden, outs, stream)

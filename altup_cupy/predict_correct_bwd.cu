@@ -24,7 +24,8 @@
 //       one round computes them all (a spread butterfly: V - 1 shuffles for V values); rows read
 //       twice through L1 instead of held in registers, S in shared memory: two blocks per SM.
 //   v4: v3's arithmetic with the rows streamed into a ring of shared-memory stages by the bulk-copy
-//       engine (cp.async.bulk + mbarrier), tokens ahead of the compute; S in registers, R*w precomputed.
+//       engine (cp.async.bulk + mbarrier), two tokens ahead, and the scalar phase on a dedicated
+//       warp one token behind the compute warps: one barrier per token, no warp idle behind warp 0.
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -1014,9 +1015,9 @@ struct V3Shared {
     float P[N * N * N], Q[N * N];  // read by warp 0 for every token
 };
 
-// The coefficient matrices, bf16 -> fp32, into shared memory; ends on a barrier.
-template <int N>
-__device__ __forceinline__ void v3_stage_coefficients(V3Shared<N>& sh, const unsigned short* __restrict__ P,
+// The coefficient matrices, bf16 -> fp32, into shared memory (sh.P, sh.Q); ends on a barrier.
+template <int N, typename Shared>
+__device__ __forceinline__ void v3_stage_coefficients(Shared& sh, const unsigned short* __restrict__ P,
                                                       const unsigned short* __restrict__ Q) {
     for (int i = threadIdx.x; i < N * N * N + N * N; i += blockDim.x) {
         const float value = __uint_as_float(static_cast<unsigned int>(i < N * N * N ? P[i] : Q[i - N * N * N]) << 16);
@@ -1078,6 +1079,18 @@ __device__ __forceinline__ void v3_dot_products(const V3Rows<N>& r, const Router
     }
 }
 
+// One warp adds the per-warp sums of `warps` warps in a fixed order: lane l, value l.
+template <int N, int COLUMNS>
+__device__ __forceinline__ void v3_sum_warps(const float (&scratch)[V3Layout<N>::kValues][COLUMNS], float* __restrict__ totals,
+                                             const int warps) {
+    const int lane = threadIdx.x & 31;
+    if (lane < V3Layout<N>::kValues) {
+        float total = 0.0f;
+        for (int w = 0; w < warps; ++w) total += scratch[lane][w];
+        totals[lane] = total;
+    }
+}
+
 // One block reduction of the token's dot products (each warp by a spread butterfly, lane l ending
 // with value l, then warp 0 sums the warps in a fixed order), then warp 0's scalar phase.
 // `after_reduction` runs on every thread right after the reduction's barrier, when every warp has
@@ -1096,11 +1109,7 @@ __device__ __forceinline__ void v3_reduce_token(float (&v)[V3Layout<N>::kValuesP
     __syncthreads();
     after_reduction();
     if (warp == 0) {
-        if (lane < L::kValues) {
-            float total = 0.0f;
-            for (int w = 0; w < warps; ++w) total += sh.scratch[lane][w];
-            sh.totals[lane] = total;
-        }
+        v3_sum_warps<N>(sh.scratch, sh.totals, warps);
         __syncwarp();
         v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs, sh.P, sh.Q, inv_h, eps, coef_grads);
     }
@@ -1269,20 +1278,26 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
 }
 
 // ---------------------------------------------------------------------------------------------
-// v4: v3's arithmetic, fed by the bulk-copy engine
+// v4: v3's arithmetic, fed by the bulk-copy engine, with the scalar phase on its own warp
 // ---------------------------------------------------------------------------------------------
 //
-// v3 loads a token's rows only when it starts on that token, so each block waits a full memory
-// latency per token, and nothing is loading while it reduces. v4 changes only how the rows
-// arrive: thread 0 streams each token's 2N + 1 rows (one contiguous 2H-byte copy each) into a
-// ring of `stages` shared-memory stages with cp.async.bulk, completing on one mbarrier per stage,
-// stages - 1 tokens ahead of the compute. A stage is refilled as soon as the block's reduction
-// barrier shows that every warp has finished its previous token. Both passes then read the rows
-// from shared memory (16 bytes per thread, consecutive threads consecutive banks), the slice's
-// R * w is computed once per block (fp32, in shared memory, each thread its own slice), and S stays
-// in registers. One slice per thread (H <= 4096); the per-token math is v3's helpers, unchanged.
+// Measured on v3 (results/h200/NOTES.md): at one or two blocks per SM the SM issues an
+// instruction only every ~3 cycles per scheduler, and about half of the warps' stall time is at
+// the block barrier while warp 0 alone turns the token's totals into coefficients. v4 keeps v3's
+// per-slice arithmetic and changes how the work is scheduled:
+//  - the rows: one thread streams each token's 2N + 1 rows (one contiguous 2H-byte copy each) into
+//    a ring of `stages` shared-memory stages with cp.async.bulk, completing on one mbarrier per
+//    stage, two tokens ahead of the compute; both passes read them from shared memory;
+//  - the scalar phase: a dedicated warp (the block's last) computes the coefficients of token
+//    j - 1 while the compute warps run pass 1 of token j and pass 2 of token j - 2, so one
+//    barrier per token separates the stages and no compute warp waits on serial work:
+//        compute warps, step j:  pass 1 (token j) -> warp sums   | barrier |  pass 2 (token j - 1)
+//        scalar warp,   step j:  sums + scalars (token j - 1)     | barrier |  refill a stage
+//    (sums and coefficients double-buffered by token parity);
+//  - R * w is computed once per block (fp32, in shared memory, each thread its own slice) and S
+//    stays in registers. One slice per compute thread (H <= 2560), one block per SM.
 
-constexpr int kV4MaxStages = 4;
+constexpr int kV4MaxStages = 6;
 
 __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
@@ -1357,21 +1372,35 @@ struct V4RouterTimesNorm {
     }
 };
 
-// Launch shape by blocks per SM (host: V4_LAUNCH_BOUNDS). Two blocks: at most 288 threads
-// (H <= 2304) and 112 registers for N <= 3 (2 x 9 warps x 32 x 112 fit the SM's 64K;
-// __launch_bounds__(288, 2) alone caps at 96, since ptxas rounds the warps up, and spills), and
-// 256 threads with 128 registers for N = 4 (H <= 2048), whose larger S needs them.
-template <int N, int BLOCKS_PER_SM>
-struct V4Config {
-    static constexpr int max_threads = BLOCKS_PER_SM == 1 ? 512 : (N == 4 ? 256 : 288);
-    static constexpr int max_registers = BLOCKS_PER_SM == 1 || N == 4 ? 128 : 112;
+
+// A barrier over the whole block that the two warp roles reach from different code: bar.sync
+// counts arriving threads, whatever instruction they arrive from, and orders their memory accesses.
+__device__ __forceinline__ void block_barrier() { asm volatile("bar.sync 0;" ::: "memory"); }
+
+// Static shared memory of v4: v3's, with the warp sums and coefficients double-buffered by token
+// parity (the scalar warp works one token behind the compute warps).
+template <int N>
+struct V4Shared {
+    float scratch[2][V3Layout<N>::kValues][17];  // per-compute-warp sums (<= 16 warps; odd: no bank conflicts)
+    float totals[V3Layout<N>::kValues];
+    float coefs[2][V3Layout<N>::kCoefs];
+    V3Scalars<N> token_scalars;
+    float P[N * N * N], Q[N * N];
 };
 
+// The host decides without a GPU whether a ring fits, from this bound on the static part.
+static_assert(sizeof(V4Shared<4>) + kV4MaxStages * sizeof(unsigned long long) <= 6144,
+              "predict_correct.py: V4_STATIC_SHARED_BOUND");
+
 // Dynamic shared memory (host: v4_shared_bytes): `stages` stages of (2N+1) rows of H bf16, then
-// the R * w planes, N * H fp32.
-template <int N, int A, int BLOCKS_PER_SM>
-__global__ void __launch_bounds__((V4Config<N, BLOCKS_PER_SM>::max_threads)) __maxnreg__((V4Config<N, BLOCKS_PER_SM>::max_registers))
-pc_v4_fused(
+// the R * w planes, N * H fp32. Block: one compute thread per slice, rounded up to whole warps,
+// plus the scalar warp: at most 11 warps (H <= 2560), so three warps share a scheduler's 16K
+// registers and each thread may hold 128 (at 17 warps, for H = 4096, the cap would be 96 and S
+// would spill).
+constexpr int kV4MaxThreads = 352;
+
+template <int N, int A>
+__global__ void __launch_bounds__(kV4MaxThreads, 1) pc_v4_fused(
     const uint4* __restrict__ grad,      // [N, M, H] bf16
     const uint4* __restrict__ hs,        // [N, M, H] bf16
     const uint4* __restrict__ act,       // [M, H] bf16
@@ -1387,19 +1416,23 @@ pc_v4_fused(
     constexpr int kRows = 2 * N + 1;
     extern __shared__ __align__(16) uint4 ring[];
     __shared__ __align__(8) unsigned long long stage_full[kV4MaxStages];
-    __shared__ V3Shared<N> sh;
+    __shared__ V4Shared<N> sh;
 
     const int slices = hidden / kVec;
     const long long stream_stride = tokens * slices;  // in 16-byte slices; can pass 2^31
     const unsigned int row_bytes = static_cast<unsigned int>(slices) * 16u;
     const float inv_h = 1.0f / static_cast<float>(hidden);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int compute_warps = static_cast<int>(blockDim.x >> 5) - 1;
+    const bool scalar_warp = warp == compute_warps;
     const int slice = threadIdx.x;
-    const bool owns_slice = slice < slices;
+    const bool owns_slice = !scalar_warp && slice < slices;
+    // This block's tokens: blockIdx.x + j * gridDim.x for j < count (count >= 1: grid <= tokens).
+    const long long count = (tokens - blockIdx.x + gridDim.x - 1) / gridDim.x;
 
-    // Thread 0 only: the block's j-th token (token blockIdx.x + j * gridDim.x) into stage j % stages.
+    // The block's j-th token into stage `into` (the scalar warp's lane 0 only).
     auto load_token = [&](long long j, int into) {
         const long long token = blockIdx.x + j * gridDim.x;
-        if (token >= tokens) return;
         uint4* dst = ring + static_cast<long long>(into) * kRows * slices;
         mbarrier_arrive_expect_bytes(&stage_full[into], kRows * row_bytes);
 #pragma unroll
@@ -1415,9 +1448,9 @@ pc_v4_fused(
         fence_mbarrier_init();
     }
     __syncthreads();
-    if (threadIdx.x == 0)
-        for (int j = 0; j < stages; ++j) load_token(j, j);
-    // While the first tokens arrive: P, Q and this thread's R * w.
+    if (scalar_warp && lane == 0)
+        for (int j = 0; j < stages && j < count; ++j) load_token(j, j);
+    // While the first tokens arrive: P, Q and each compute thread's R * w.
     float4* planes = reinterpret_cast<float4*>(ring + static_cast<long long>(stages) * kRows * slices) + slice;
     const V4RouterTimesNorm<N> rw{planes, slices};
     if (owns_slice) {
@@ -1431,39 +1464,58 @@ pc_v4_fused(
     }
     v3_stage_coefficients<N>(sh, P, Q);
 
+    float* part = partials + blockIdx.x * partial_stride(N, hidden);
+    if (scalar_warp) {
+        float coef_grads[L::kCoefGradsPerLane] = {};
+        int refill = 0;  // the stage that token j - 2 held
+        for (long long j = 0; j <= count; ++j) {
+            if (j >= 1) {  // token j - 1's warp sums were written before the last barrier
+                const int parity = static_cast<int>((j - 1) & 1);
+                v3_sum_warps<N>(sh.scratch[parity], sh.totals, compute_warps);
+                __syncwarp();
+                v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs[parity], sh.P, sh.Q, inv_h, eps, coef_grads);
+            }
+            block_barrier();
+            // Past this barrier the compute warps are done with token j - 2 (its pass 2 ran
+            // in step j - 1): its stage takes token j - 2 + stages.
+            if (j >= 2) {
+                if (lane == 0 && j - 2 + stages < count) load_token(j - 2 + stages, refill);
+                if (++refill == stages) refill = 0;
+            }
+        }
+        v3_write_coef_partials<N>(part, coef_grads, hidden);
+        return;
+    }
+
     float s[N][kVec] = {};
-    float coef_grads[L::kCoefGradsPerLane] = {};
     V3Rows<N> r;
-    // Token j of this block sits in stage j % stages; that stage's barrier completes its phase
-    // (j / stages) % 2 when the copies land.
-    long long j = 0;
-    int stage = 0;
-    unsigned int phase = 0;
-    for (long long token = blockIdx.x; token < tokens; token += gridDim.x, ++j) {
-        mbarrier_wait_parity(&stage_full[stage], phase);
-        const uint4* stage_slice = ring + static_cast<long long>(stage) * kRows * slices + slice;
-        float v[L::kValuesPow2] = {};
-        if (owns_slice) {
-            v4_read_rows<N>(r, stage_slice, slices);
-            v3_dot_products<N, A>(r, rw, v);
+    int stage = 0, previous = 0;  // the stages of tokens j and j - 1
+    unsigned int phase = 0;       // the phase of `stage`'s barrier that token j completes
+    for (long long j = 0; j <= count; ++j) {
+        if (j < count) {  // pass 1 of token j
+            mbarrier_wait_parity(&stage_full[stage], phase);
+            float v[L::kValuesPow2] = {};
+            if (owns_slice) {
+                v4_read_rows<N>(r, ring + static_cast<long long>(stage) * kRows * slices + slice, slices);
+                v3_dot_products<N, A>(r, rw, v);
+            }
+            const float warp_total = warp_sum_spread<L::kValuesPow2>(v);
+            if (lane < L::kValues) sh.scratch[j & 1][lane][warp] = warp_total;
         }
-        // Past the reduction's barrier every warp is done with token j - 1: refill its stage.
-        v3_reduce_token<N, A>(v, sh, inv_h, eps, coef_grads, [&] {
-            if (threadIdx.x == 0 && j > 0) load_token(j - 1 + stages, stage == 0 ? stages - 1 : stage - 1);
-        });
-        if (owns_slice) {
-            v4_read_rows<N>(r, stage_slice, slices);
-            v3_accumulate_s<N, A>(r, sh.coefs, [&](int n, int e) -> float& { return s[n][e]; });
-            v3_output_slice<N, A>(r, rw, sh.coefs, grad_act + token * slices + slice,
-                                  grad_hs + token * slices + slice, stream_stride);
+        block_barrier();
+        if (j >= 1 && owns_slice) {  // pass 2 of token j - 1, with the coefficients of the last step
+            const long long token = blockIdx.x + (j - 1) * gridDim.x;
+            const float* c = sh.coefs[(j - 1) & 1];
+            v4_read_rows<N>(r, ring + static_cast<long long>(previous) * kRows * slices + slice, slices);
+            v3_accumulate_s<N, A>(r, c, [&](int n, int e) -> float& { return s[n][e]; });
+            v3_output_slice<N, A>(r, rw, c, grad_act + token * slices + slice, grad_hs + token * slices + slice,
+                                  stream_stride);
         }
+        previous = stage;
         if (++stage == stages) {
             stage = 0;
             phase ^= 1u;
         }
     }
-
-    float* part = partials + blockIdx.x * partial_stride(N, hidden);
     if (owns_slice) v3_write_router_partials<N>(part, s, router, norm, slice, slices, inv_h);
-    if (threadIdx.x < 32) v3_write_coef_partials<N>(part, coef_grads, hidden);
 }

@@ -1,5 +1,5 @@
-"""Tuning sweep of the backward's v4 launch plan on the GPU: every (blocks per SM, ring stages)
-that fits, on workloads spanning the token counts of both suites, beside v3 and the copy floor.
+"""Tuning sweep of the backward's v4 launch plan on the GPU: every ring-stage count that fits,
+on workloads spanning the token counts of both suites, beside v3 and the copy floor.
 
 Each plan is first checked against the float64 reference under the benchmark's rule (all six
 outputs), then timed by the benchmark's own method (bench.time_us: L2 flushed before each call,
@@ -20,22 +20,11 @@ import torch
 
 from altup_cupy.bench import run_info, time_us
 from altup_cupy.benchmarks.predict_correct import PREDICT_CORRECT_BACKWARD as BENCH, ARG_NAMES
-from altup_cupy.predict_correct import (V4_BLOCKS_PER_SM, V4_MAX_STAGES, predict_correct_backward,
-                                        v4_launch_plan, v4_plan_override)
+from altup_cupy.predict_correct import (predict_correct_backward, v4_launch_plan, v4_plan_override,
+                                        v4_stage_choices)
 from altup_cupy.workloads import tolerance_report, workloads
 
 TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite
-
-
-def plans(streams: int, hidden: int) -> list[tuple[int, int]]:
-    found = []
-    for per_sm in V4_BLOCKS_PER_SM:
-        for stages in range(2, V4_MAX_STAGES + 1):
-            try:
-                found.append(v4_launch_plan(streams, hidden, blocks_per_sm=per_sm, stages=stages))
-            except ValueError:
-                pass
-    return found
 
 
 def main() -> int:
@@ -56,10 +45,10 @@ def main() -> int:
         args_ = [inputs[k] for k in ARG_NAMES]
         a, eps = inputs["active_idx"], inputs["eps"]
         default = v4_launch_plan(w.streams, w.hidden)
-        candidates = [("v4", plan) for plan in plans(w.streams, w.hidden)] + [("v3", None)]
+        candidates = [("v4", stages) for stages in v4_stage_choices(w.streams, w.hidden)] + [("v3", None)]
         for name, plan in candidates:
             def call(plan=plan, version=4 if plan else 3):
-                with v4_plan_override(*(plan or (None, None))):
+                with v4_plan_override(plan):
                     return tuple(predict_correct_backward(*args_, a, eps, version=version))
             outputs = call()
             torch.cuda.synchronize()
@@ -68,19 +57,19 @@ def main() -> int:
             times, _ = time_us(call, args.reps, args.warmup)
             rows.append({
                 "workload": w.label, "N": w.streams, "H": w.hidden, "tokens": w.tokens,
-                "impl": name, "blocks_per_sm": plan[0] if plan else "", "stages": plan[1] if plan else "",
+                "impl": name, "stages": plan or "",
                 "default": plan == default, "median_us": round(statistics.median(times), 2),
                 "passed": all(r.passed for r in reports),
                 "worst_rel_l2": f"{max(r.rel_l2 for r in reports):.3e}", **info,
             })
-            print(f"{w.label:22s} {name} plan={plan} default={plan == default} "
+            print(f"{w.label:22s} {name} stages={plan} default={plan == default} "
                   f"{rows[-1]['median_us']:9.2f} us passed={rows[-1]['passed']} rel_l2<={rows[-1]['worst_rel_l2']}",
                   flush=True)
         copy = next(impl for impl in BENCH.impls(w) if impl.name == "copy_floor").prepare(inputs)
         times, _ = time_us(copy, args.reps, args.warmup)
         print(f"{w.label:22s} copy_floor {statistics.median(times):9.2f} us", flush=True)
         rows.append({"workload": w.label, "N": w.streams, "H": w.hidden, "tokens": w.tokens,
-                     "impl": "copy_floor", "blocks_per_sm": "", "stages": "", "default": "",
+                     "impl": "copy_floor", "stages": "", "default": "",
                      "median_us": round(statistics.median(times), 2), "passed": "", "worst_rel_l2": "", **info})
         del inputs, reference, copy
         torch.cuda.empty_cache()

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from altup_cupy import predict_correct_backward
-from altup_cupy.predict_correct import (V4_BLOCKS_PER_SM, V4_MAX_STAGES, VERSIONS, v4_launch_plan,
-                                         v4_plan_override, v4_supported)
+from altup_cupy.predict_correct import VERSIONS, v4_plan_override, v4_stage_choices, v4_supported
 from altup_cupy.benchmarks.predict_correct import ARG_NAMES, eager_fp32
 from altup_cupy.reference import predict_correct_backward_reference
 from altup_cupy.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
@@ -84,27 +83,17 @@ def test_streams_and_hidden(n, h, version, seeds):
     check_against_reference(w, inputs, out)
 
 
-def _v4_plans(n, h):
-    plans = []
-    for per_sm in V4_BLOCKS_PER_SM:
-        for stages in range(2, V4_MAX_STAGES + 1):
-            try:
-                plans.append(v4_launch_plan(n, h, blocks_per_sm=per_sm, stages=stages))
-            except ValueError:
-                pass
-    return plans
+V4_PLAN_CASES = [(n, h, stages) for n, h in [(3, 2304), (4, 2048), (4, 2560), (2, 1024)]
+                 for stages in v4_stage_choices(n, h)]
 
 
-V4_PLAN_CASES = [(n, h, plan) for n, h in [(3, 2304), (4, 2048), (4, 2560), (2, 1024)] for plan in _v4_plans(n, h)]
-
-
-@pytest.mark.parametrize("n,h,plan", V4_PLAN_CASES, ids=[f"N{n}-H{h}-{p[0]}perSM-{p[1]}stages" for n, h, p in V4_PLAN_CASES])
-def test_v4_every_launch_plan(n, h, plan, seeds):
-    """Every (blocks per SM, stages) that fits, on enough tokens that each block's ring wraps
-    several times (both mbarrier phases), with a ragged last round of tokens."""
+@pytest.mark.parametrize("n,h,stages", V4_PLAN_CASES, ids=[f"N{n}-H{h}-{s}stages" for n, h, s in V4_PLAN_CASES])
+def test_v4_every_stage_count(n, h, stages, seeds):
+    """Every ring-stage count that fits, on enough tokens that each block's ring wraps several
+    times (both mbarrier phases), with a ragged last round of tokens."""
     w = _small(n, h, 7, 311, a=1)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
-    with v4_plan_override(*plan):
+    with v4_plan_override(stages):
         out = predict_correct_backward(*_args(inputs), 1, inputs["eps"], version=4)
     check_against_reference(w, inputs, out)
 

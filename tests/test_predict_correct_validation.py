@@ -97,25 +97,24 @@ def test_misaligned(name):
         predict_correct_backward(**kw)
 
 
-@pytest.mark.parametrize("n,h,plan", [(3, 2304, (2, 2)), (4, 2048, (2, 2)), (4, 2560, (1, 3)),
-                                      (3, 3072, (1, 4)), (4, 4096, (1, 2))])
-def test_v4_launch_plan(n, h, plan):
-    """Two blocks an SM where two fit, then the most ring stages that fit (228 KiB per SM)."""
+@pytest.mark.parametrize("n,h,stages", [(3, 2304, 6), (4, 2048, 5), (4, 2560, 4), (2, 2560, 6), (3, 8, 6)])
+def test_v4_launch_plan(n, h, stages):
+    """The most ring stages (at most 6) that fit one block's 227 KiB of shared memory; H <= 2560."""
     assert v4_supported(n, h)
-    assert v4_launch_plan(n, h) == plan
+    assert v4_launch_plan(n, h) == stages
 
 
-@pytest.mark.parametrize("n,h", [(2, 4104), (3, 8192), (4, 6144)])
+@pytest.mark.parametrize("n,h", [(2, 2568), (3, 3072), (4, 8192)])
 def test_v4_refuses_shapes_it_cannot_hold(n, h):
     assert not v4_supported(n, h)
     with pytest.raises(ValueError, match="version 3"):
         v4_launch_plan(n, h)
 
 
-@pytest.mark.parametrize("plan", [(2, 3), (1, 5), (3, 2)])
-def test_v4_plan_that_does_not_fit(plan):
+@pytest.mark.parametrize("stages", [2, 7])
+def test_v4_stage_count_that_does_not_fit(stages):
     with pytest.raises(ValueError, match="does not fit"):
-        v4_launch_plan(3, 2304, blocks_per_sm=plan[0], stages=plan[1])
+        v4_launch_plan(3, 2304, stages=stages)
 
 
 @pytest.mark.parametrize("a", [-1, N, 7])

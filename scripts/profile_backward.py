@@ -1,0 +1,40 @@
+"""One call of the backward on one benchmark workload, for a profiler to wrap (Nsight Compute):
+
+    ncu --clock-control none --section SpeedOfLight -k regex:pc_ python3 scripts/profile_backward.py \
+        --tokens 8192 --version 4
+
+Draws the benchmark's inputs for the first benchmark workload with that many tokens, runs the
+chosen version once to compile and warm up, then `--calls` more times (the ones to profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from altup_cupy.benchmarks.predict_correct import ARG_NAMES
+from altup_cupy.predict_correct import predict_correct_backward, v4_plan_override
+from altup_cupy.workloads import predict_correct_backward_inputs, workloads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--suite", default="benchmark")
+    parser.add_argument("--version", type=int, default=None)
+    parser.add_argument("--stages", type=int, default=None)
+    parser.add_argument("--calls", type=int, default=1)
+    args = parser.parse_args()
+    w = next(w for w in workloads("predict_correct_backward", args.suite) if w.tokens == args.tokens)
+    inputs = predict_correct_backward_inputs(w, 7, "cuda", "random")
+    call_args = [inputs[k] for k in ARG_NAMES]
+    with v4_plan_override(args.stages):
+        for _ in range(1 + args.calls):
+            predict_correct_backward(*call_args, inputs["active_idx"], inputs["eps"], version=args.version)
+    torch.cuda.synchronize()
+    print(f"ran {w.label} version={args.version} stages={args.stages} x{1 + args.calls}")
+
+
+if __name__ == "__main__":
+    main()
