@@ -881,7 +881,7 @@ struct V3Layout {
     static constexpr int kB = 0, kK = N * N, kAlphaP = kK + N, kAlphaC = kAlphaP + N, kBetaP = kAlphaC + N,
                          kBetaC = kBetaP + 1, kSigmaP = kBetaC + 1, kSigmaC = kSigmaP + N;
     static constexpr int kCoefs = kSigmaC + N;
-    // per-block coefficient-gradient entries: dP (N^3) then dQ (N^2), spread over warp 0's lanes
+    // per-block coefficient-gradient entries: dP (N^3) then dQ (N^2), spread over warp 0's lanes (v3)
     static constexpr int kCoefGrads = N * N * N + N * N;
     static constexpr int kCoefGradsPerLane = (kCoefGrads + 31) / 32;
 };
@@ -1179,21 +1179,27 @@ __device__ __forceinline__ void v3_write_router_partials(float* __restrict__ par
                                                          const uint4* __restrict__ router, const uint4* __restrict__ norm,
                                                          const int slice, const int slices, const float inv_h) {
     const int hidden = slices * kVec;
-    float rn[N][kVec], wn[kVec];
-#pragma unroll
-    for (int n = 0; n < N; ++n) unpack_bf16x8(__ldg(router + n * slices + slice), rn[n]);
+    auto store8 = [&](float* row, const float (&x)[kVec]) {  // two 16-byte stores (rows stay aligned)
+        float4* dst = reinterpret_cast<float4*>(row + slice * kVec);
+        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+    };
+    float wn[kVec], dw[kVec] = {};
     unpack_bf16x8(__ldg(norm + slice), wn);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-        const int d = slice * kVec + e;
-        float dw = 0.0f;
+    for (int n = 0; n < N; ++n) {  // one row at a time: only its S, R and dR are live
+        float rn[kVec], dR[kVec];
+        unpack_bf16x8(__ldg(router + n * slices + slice), rn);
 #pragma unroll
-        for (int n = 0; n < N; ++n) {
-            part[n * hidden + d] = wn[e] * s[n][e] * inv_h;
-            dw = fmaf(rn[n][e], s[n][e], dw);
+        for (int e = 0; e < kVec; ++e) {
+            dR[e] = wn[e] * s[n][e] * inv_h;
+            dw[e] = fmaf(rn[e], s[n][e], dw[e]);
         }
-        part[N * hidden + d] = dw * inv_h;
+        store8(part + n * hidden, dR);
     }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) dw[e] *= inv_h;
+    store8(part + N * hidden, dw);
 }
 
 // Warp 0's lanes hold the block's coefficient-gradient partials (dP then dQ, lane-strided).
@@ -1373,6 +1379,109 @@ struct V4RouterTimesNorm {
 };
 
 
+// v4's scalar phase: v3_token_scalars' arithmetic, in the same order, as straight-line code on
+// tiny matrices held in registers: every lane of the scalar warp computes the same values (no
+// divergence, no shared-memory round trips between steps), so the chain is short; it is the
+// critical path of a token when a block has few tokens. The coefficient gradients dP | dQ
+// accumulate in shared memory (lane 0). v3 keeps the lane-parallel form: its warp 0 has 96
+// registers, and this one needs more for N = 4.
+template <int N, int A>
+__device__ __forceinline__ void v4_token_scalars(const float* __restrict__ t, float* __restrict__ coefs,
+                                                 float* __restrict__ coef_grads, const float* __restrict__ P,
+                                                 const float* __restrict__ Q, const float inv_h, const float eps) {
+    using L = V3Layout<N>;
+    const float* v = t;
+    const float* G = t + L::kG;  // G[i * N + j] = <g_i, h_j>
+    const float r_p = rsqrtf(v[L::kSsA] * inv_h + eps);
+    const float r_c = rsqrtf(v[L::kSsC] * inv_h + eps);
+    // router outputs m = tanh(R xn); C = P m_p (as [N][N]); k = Q m_c + 1
+    float m_p[N], m_c[N], C[N * N], k[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        m_p[n] = tanhf(r_p * v[L::kAp + n] * inv_h);
+        m_c[n] = tanhf(r_c * v[L::kAc + n] * inv_h);
+    }
+#pragma unroll
+    for (int ij = 0; ij < N * N; ++ij) {
+        float c = 0.0f;
+#pragma unroll
+        for (int l = 0; l < N; ++l) c = fmaf(P[ij * N + l], m_p[l], c);
+        C[ij] = c;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        float kk = 1.0f;
+#pragma unroll
+        for (int l = 0; l < N; ++l) kk = fmaf(Q[i * N + l], m_c[l], kk);
+        k[i] = kk;
+    }
+    // gk_i = <g_i, delta>; dC_ij = <gpred_i, h_j> = G_ij - [i==a] <gd, h_j>
+    float gk[N], dC[N * N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        float g = v[L::kGc + i] - G[i * N + A];
+#pragma unroll
+        for (int j = 0; j < N; ++j) g = fmaf(-C[A * N + j], G[i * N + j], g);
+        gk[i] = g;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        float gd_h = 0.0f;
+#pragma unroll
+        for (int l = 0; l < N; ++l) gd_h = fmaf(k[l], G[l * N + j], gd_h);
+#pragma unroll
+        for (int i = 0; i < N; ++i) dC[i * N + j] = G[i * N + j] - (i == A ? gd_h : 0.0f);
+    }
+    // through tanh: gz_c = (Q^T gk)(1 - m_c^2), gz_p = (P^T dC)(1 - m_p^2)
+    float gz_p[N], gz_c[N];
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+        float gm = 0.0f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) gm = fmaf(Q[i * N + l], gk[i], gm);
+        gz_c[l] = gm * (1.0f - m_c[l] * m_c[l]);
+        gm = 0.0f;
+#pragma unroll
+        for (int ij = 0; ij < N * N; ++ij) gm = fmaf(P[ij * N + l], dC[ij], gm);
+        gz_p[l] = gm * (1.0f - m_p[l] * m_p[l]);
+    }
+    if ((threadIdx.x & 31) != 0) return;
+    // coefficient gradients: dP[N*i+j][l] += dC_ij m_p[l], dQ[i][l] += gk_i m_c[l]
+#pragma unroll
+    for (int e = 0; e < N * N * N; ++e) coef_grads[e] += dC[e / N] * m_p[e % N];
+#pragma unroll
+    for (int e = 0; e < N * N; ++e) coef_grads[N * N * N + e] += gk[e / N] * m_c[e % N];
+    // the broadcast coefficients: B[j][l] = (d_lj + C_lj) - (d_aj + C_aj) k_l, k, alpha = r gz / H,
+    // beta = r^3 <gu, x> / H with <gu, x> = (1/H) sum_n gz_n (R w x)_n, sigma = r gz
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int l = 0; l < N; ++l)
+            coefs[L::kB + j * N + l] = ((l == j ? 1.0f : 0.0f) + C[l * N + j]) - ((A == j ? 1.0f : 0.0f) + C[A * N + j]) * k[l];
+    float gu_p = 0.0f, gu_c = 0.0f;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        coefs[L::kK + n] = k[n];
+        coefs[L::kAlphaP + n] = r_p * gz_p[n] * inv_h;
+        coefs[L::kAlphaC + n] = r_c * gz_c[n] * inv_h;
+        coefs[L::kSigmaP + n] = r_p * gz_p[n];
+        coefs[L::kSigmaC + n] = r_c * gz_c[n];
+        gu_p = fmaf(gz_p[n], v[L::kAp + n], gu_p);
+        gu_c = fmaf(gz_c[n], v[L::kAc + n], gu_c);
+    }
+    coefs[L::kBetaP] = r_p * r_p * r_p * gu_p * inv_h * inv_h;
+    coefs[L::kBetaC] = r_c * r_c * r_c * gu_c * inv_h * inv_h;
+}
+
+// The block's coefficient-gradient partials from shared memory to pc_reduce_partials' layout,
+// by one warp.
+template <int N>
+__device__ __forceinline__ void v4_write_coef_partials(float* __restrict__ part, const float* __restrict__ coef_grads,
+                                                       const int hidden) {
+    __syncwarp();  // lane 0 wrote the accumulators
+    for (int e = threadIdx.x & 31; e < V3Layout<N>::kCoefGrads; e += 32) part[(N + 1) * hidden + e] = coef_grads[e];
+}
+
 // A barrier over the whole block that the two warp roles reach from different code: bar.sync
 // counts arriving threads, whatever instruction they arrive from, and orders their memory accesses.
 __device__ __forceinline__ void block_barrier() { asm volatile("bar.sync 0;" ::: "memory"); }
@@ -1384,7 +1493,7 @@ struct V4Shared {
     float scratch[2][V3Layout<N>::kValues][17];  // per-compute-warp sums (<= 16 warps; odd: no bank conflicts)
     float totals[V3Layout<N>::kValues];
     float coefs[2][V3Layout<N>::kCoefs];
-    V3Scalars<N> token_scalars;
+    float coef_grads[V3Layout<N>::kCoefGrads];  // the block's dP | dQ partials
     float P[N * N * N], Q[N * N];
 };
 
@@ -1447,6 +1556,7 @@ __global__ void __launch_bounds__(kV4MaxThreads, 1) pc_v4_fused(
         for (int s = 0; s < stages; ++s) mbarrier_init(&stage_full[s], 1);
         fence_mbarrier_init();
     }
+    for (int e = threadIdx.x; e < L::kCoefGrads; e += blockDim.x) sh.coef_grads[e] = 0.0f;
     __syncthreads();
     if (scalar_warp && lane == 0)
         for (int j = 0; j < stages && j < count; ++j) load_token(j, j);
@@ -1466,14 +1576,13 @@ __global__ void __launch_bounds__(kV4MaxThreads, 1) pc_v4_fused(
 
     float* part = partials + blockIdx.x * partial_stride(N, hidden);
     if (scalar_warp) {
-        float coef_grads[L::kCoefGradsPerLane] = {};
         int refill = 0;  // the stage that token j - 2 held
         for (long long j = 0; j <= count; ++j) {
             if (j >= 1) {  // token j - 1's warp sums were written before the last barrier
                 const int parity = static_cast<int>((j - 1) & 1);
                 v3_sum_warps<N>(sh.scratch[parity], sh.totals, compute_warps);
                 __syncwarp();
-                v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs[parity], sh.P, sh.Q, inv_h, eps, coef_grads);
+                v4_token_scalars<N, A>(sh.totals, sh.coefs[parity], sh.coef_grads, sh.P, sh.Q, inv_h, eps);
             }
             block_barrier();
             // Past this barrier the compute warps are done with token j - 2 (its pass 2 ran
@@ -1483,7 +1592,7 @@ __global__ void __launch_bounds__(kV4MaxThreads, 1) pc_v4_fused(
                 if (++refill == stages) refill = 0;
             }
         }
-        v3_write_coef_partials<N>(part, coef_grads, hidden);
+        v4_write_coef_partials<N>(part, sh.coef_grads, hidden);
         return;
     }
 
