@@ -1004,8 +1004,8 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
     }
 }
 
-// What v3 and v4 keep in static shared memory: the reduction's per-warp sums, the token's totals,
-// scalars and broadcast coefficients, and the coefficient matrices in fp32.
+// What v3 keeps in static shared memory: the reduction's per-warp sums, the token's totals,
+// scalars and broadcast coefficients, and the coefficient matrices in fp32 (v4: V4Shared).
 template <int N>
 struct V3Shared {
     float scratch[V3Layout<N>::kValues][33];  // per-warp partial sums (+1: no bank conflicts)
@@ -1092,14 +1092,11 @@ __device__ __forceinline__ void v3_sum_warps(const float (&scratch)[V3Layout<N>:
 }
 
 // One block reduction of the token's dot products (each warp by a spread butterfly, lane l ending
-// with value l, then warp 0 sums the warps in a fixed order), then warp 0's scalar phase.
-// `after_reduction` runs on every thread right after the reduction's barrier, when every warp has
-// finished with the previous token (v4 refills that token's stage there). Ends on a barrier, with
-// sh.coefs holding the token's broadcast coefficients.
-template <int N, int A, typename AfterReduction>
+// with value l, then warp 0 sums the warps in a fixed order), then warp 0's scalar phase. Ends on
+// a barrier, with sh.coefs holding the token's broadcast coefficients.
+template <int N, int A>
 __device__ __forceinline__ void v3_reduce_token(float (&v)[V3Layout<N>::kValuesPow2], V3Shared<N>& sh, float inv_h,
-                                                float eps, float (&coef_grads)[V3Layout<N>::kCoefGradsPerLane],
-                                                AfterReduction after_reduction) {
+                                                float eps, float (&coef_grads)[V3Layout<N>::kCoefGradsPerLane]) {
     using L = V3Layout<N>;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     {
@@ -1107,7 +1104,6 @@ __device__ __forceinline__ void v3_reduce_token(float (&v)[V3Layout<N>::kValuesP
         if (lane < L::kValues) sh.scratch[lane][warp] = warp_total;
     }
     __syncthreads();
-    after_reduction();
     if (warp == 0) {
         v3_sum_warps<N>(sh.scratch, sh.totals, warps);
         __syncwarp();
@@ -1256,7 +1252,7 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
             v3_load<N, false>(r, grad, hs, act, token_slice0 + slice, stream_stride);
             v3_dot_products<N, A>(r, V3RouterTimesNorm<N>(router, norm, slice, slices), v);
         }
-        v3_reduce_token<N, A>(v, sh, inv_h, eps, coef_grads, [] {});
+        v3_reduce_token<N, A>(v, sh, inv_h, eps, coef_grads);
 #pragma unroll 1
         for (int c = 0; c < SLICES; ++c) {
             const int slice = threadIdx.x + c * blockDim.x;
