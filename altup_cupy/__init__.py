@@ -2,14 +2,16 @@
 
     from altup_cupy import collapse, predict_correct_backward
 
-Both take CuPy arrays or torch CUDA tensors, run on the caller's current stream without copying
-the inputs, and return the caller's type. Importing the package needs no GPU and compiles
-nothing: each CUDA source is compiled by NVRTC on first use and cached by CuPy.
+Both take torch tensors or CuPy arrays, run on the caller's current stream without copying the
+inputs, and return the caller's type. They are also torch custom operators
+(`torch.ops.altup_cupy.collapse`, `torch.ops.altup_cupy.predict_correct_backward`), so
+torch.compile traces them without graph breaks and CUDA graphs capture them. Importing the package
+needs no GPU and compiles nothing: each CUDA source is compiled by NVRTC on first use and cached.
 """
 
-from .collapse import collapse
-from .predict_correct import PredictCorrectGrads, predict_correct_backward
+from .ops.collapse import collapse
+from .ops.predict_correct_backward import PredictCorrectGrads, predict_correct_backward
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["collapse", "predict_correct_backward", "PredictCorrectGrads", "__version__"]

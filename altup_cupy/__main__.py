@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ._gpu import gpu_status
+from ._device import gpu_status
 from .bench import RESULTS_DIR, REPO_ROOT
 from .workloads import OPS, SUITES
 
@@ -48,6 +48,11 @@ def cmd_bench(args) -> int:
             path = bench.csv_path(op, suite, args.results_dir)
             bench.write_csv(rows, path)
             print(f"wrote {path}")
+    from . import host_overhead
+
+    path = Path(args.results_dir) / "host_overhead.csv"
+    bench.write_csv(host_overhead.measure(_selected(args.op, OPS)), path, host_overhead.CSV_COLUMNS)
+    print(f"wrote {path}")
     print(report.markdown_tables(args.results_dir))
     _regenerate(args.results_dir, args.figures_dir, README if args.update_readme else None)
     return 0

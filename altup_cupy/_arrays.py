@@ -1,10 +1,12 @@
 """The one place that accepts the caller's arrays.
 
-CuPy arrays and torch CUDA tensors come in; the kernels read and write them in place through
-their device pointers (no copy), on the caller's current stream and device, and the results
-go back as the caller's type. Every argument is checked before anything runs, in a fixed order
-(kind of object, dtype, rank and shape, contiguity, alignment, device), and a failed check raises a
-TypeError or ValueError that names the argument, what was expected and what came.
+Torch tensors and CuPy arrays come in. CuPy arrays become torch tensors through DLPack (no
+copy), the op runs on the tensors, and the results go back as CuPy arrays, on the stream CuPy
+calls current. Every argument is checked before anything runs, in a fixed order (kind of object,
+dtype, rank, shape, contiguity, device, alignment), and a failed check raises a TypeError or
+ValueError that names the argument, what was expected and what came.
+
+The checks are cheap attribute reads: they run on every call, on the fast path too.
 """
 
 from __future__ import annotations
@@ -13,109 +15,81 @@ import contextlib
 import math
 import numbers
 import sys
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-BF16 = "bfloat16"
-F32 = "float32"
-_DLPACK_CUDA = 2  # DLDeviceType kDLCUDA
-
-
-@dataclass(frozen=True)
-class Arg:
-    """A validated caller array: the object itself plus what the host code needs of it."""
-
-    name: str
-    array: Any
-    framework: str  # "torch" or "cupy"
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def ptr(self) -> int:
-        return self.array.data_ptr() if self.framework == "torch" else self.array.data.ptr
-
-    @property
-    def device(self) -> int:
-        kind, index = self.array.__dlpack_device__()
-        return int(index)
-
-
-def _framework_of(name: str, x: Any) -> str:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return "torch"
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and isinstance(x, cupy.ndarray):
-        return "cupy"
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(x, numpy.ndarray):
-        raise TypeError(
-            f"{name} is a numpy array in host memory; expected a CuPy array or a torch CUDA tensor "
-            "(move it to the GPU first, e.g. cupy.asarray(x) or torch.from_numpy(x).cuda())"
-        )
-    raise TypeError(f"{name} must be a CuPy array or a torch CUDA tensor, got {type(x).__name__}")
-
-
-def _dtype_name(x: Any) -> str:
-    return str(x.dtype).removeprefix("torch.")
-
-
-def _is_contiguous(framework: str, x: Any) -> bool:
-    return x.is_contiguous() if framework == "torch" else x.flags.c_contiguous
-
+import torch
 
 # The kernels read and write rows with 16-byte vector accesses (and the bulk-copy engine), which
 # fault on a misaligned address: a view into a larger tensor can start anywhere.
 VECTOR_ALIGNMENT = 16
 
 
-def accept(name: str, x: Any, dtype: str, shape: Sequence[int | None], *, vector_rows: bool = False) -> Arg:
-    """Check one argument's kind, dtype, shape (None = any extent) and contiguity; with
-    `vector_rows`, also that it starts on a 16-byte boundary."""
-    framework = _framework_of(name, x)
-    got = _dtype_name(x)
-    if got != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {got}")
-    actual = tuple(int(d) for d in x.shape)
-    expected = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
-    if len(actual) != len(shape) or any(e is not None and e != a for e, a in zip(shape, actual)):
-        raise ValueError(f"{name} must have shape {expected}, got {list(actual)}")
-    if not _is_contiguous(framework, x):
+def is_cupy(x: Any) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def as_tensor(name: str, x: Any) -> torch.Tensor:
+    """`x` as a torch tensor: itself, or a CuPy array's memory viewed through DLPack."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if is_cupy(x):
+        return torch.from_dlpack(x)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, numpy.ndarray):
+        raise TypeError(
+            f"{name} is a numpy array in host memory; expected a torch tensor or a CuPy array "
+            "(move it to the GPU first, e.g. cupy.asarray(x) or torch.from_numpy(x).cuda())"
+        )
+    raise TypeError(f"{name} must be a torch tensor or a CuPy array, got {type(x).__name__}")
+
+
+def _dims(names: str) -> str:
+    return "[" + ", ".join(names.split()) + "]"
+
+
+def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int | None],
+                 dims: str) -> None:
+    """dtype, rank, extents (None: any) and contiguity of one tensor. `dims` names the axes
+    ("N B S H"), so a wrong rank says which layout was expected."""
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {str(dtype).removeprefix('torch.')}, "
+                        f"got {str(t.dtype).removeprefix('torch.')}")
+    if t.dim() != len(shape):
+        raise ValueError(f"{name} must be a {len(shape)}-D tensor {_dims(dims)}, got a {t.dim()}-D "
+                         f"tensor of shape {list(t.shape)}")
+    if any(e is not None and e != a for e, a in zip(shape, t.shape)):
+        expected = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise ValueError(f"{name} must have shape {expected} ({_dims(dims)}), got {list(t.shape)}")
+    if not t.is_contiguous():
         raise ValueError(
             f"{name} must be C-contiguous (a non-contiguous view would be read wrongly); "
             "pass x.contiguous() (torch) or cupy.ascontiguousarray(x)"
         )
-    arg = Arg(name, x, framework, actual, got)
-    if vector_rows and arg.ptr % VECTOR_ALIGNMENT:
-        raise ValueError(
-            f"{name} must start at a {VECTOR_ALIGNMENT}-byte aligned address (it starts "
-            f"{arg.ptr % VECTOR_ALIGNMENT} bytes past one, e.g. a view at an odd offset); pass a copy "
-            "(x.clone() in torch, x.copy() in CuPy)"
-        )
-    return arg
 
 
-def same_device(args: Sequence[Arg]) -> tuple[str, int]:
-    """All arguments are CUDA arrays of one framework on one device: return (framework, device)."""
-    for arg in args:
-        kind, index = arg.array.__dlpack_device__()
-        if int(kind) != _DLPACK_CUDA:
-            where = getattr(arg.array, "device", f"DLPack device type {int(kind)}")
-            raise ValueError(f"{arg.name} is on {where}; expected a CUDA device")
-    first = args[0]
-    for arg in args[1:]:
-        if arg.framework != first.framework:
-            raise TypeError(
-                f"{arg.name} is a {arg.framework} array but {first.name} is a {first.framework} "
-                "array; pass arrays of one framework"
-            )
-        if arg.device != first.device:
+def check_devices(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
+    """All tensors on one device: return it."""
+    first_name, first = named[0]
+    device = first.device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {device}; "
+                             "all tensors must be on one device")
+    return device
+
+
+def check_aligned(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Every tensor starts on a 16-byte boundary (real CUDA tensors only: fake and meta tensors
+    have no address)."""
+    for name, t in named:
+        offset = t.data_ptr() % VECTOR_ALIGNMENT
+        if offset:
             raise ValueError(
-                f"{arg.name} is on CUDA device {arg.device} but {first.name} is on CUDA device "
-                f"{first.device}; all arrays must be on one device"
+                f"{name} must start at a {VECTOR_ALIGNMENT}-byte aligned address (it starts "
+                f"{offset} bytes past one, e.g. a view at an odd offset); pass a copy "
+                "(x.clone() in torch, x.copy() in CuPy)"
             )
-    return first.framework, first.device
 
 
 def positive_finite(name: str, value: Any) -> float:
@@ -136,38 +110,32 @@ def index_in_range(name: str, value: Any, upper: int) -> int:
     return v
 
 
+def check_framework(named: Sequence[tuple[str, Any]]) -> bool:
+    """Whether the caller passed CuPy arrays; mixing CuPy and torch is refused."""
+    first_name, first = named[0]
+    cupy_in = is_cupy(first)
+    for name, x in named[1:]:
+        if is_cupy(x) != cupy_in and (isinstance(x, torch.Tensor) or is_cupy(x)):
+            kinds = ("a CuPy array", "a torch tensor") if cupy_in else ("a torch tensor", "a CuPy array")
+            raise TypeError(f"{name} is {kinds[1]} but {first_name} is {kinds[0]}; "
+                            "pass arrays of one framework")
+    return cupy_in
+
+
 @contextlib.contextmanager
-def caller_stream(framework: str, device: int):
-    """Make the caller's current device and stream CuPy's current ones for the duration."""
+def cupy_caller_stream(device: torch.device) -> Iterator[None]:
+    """Make CuPy's current stream torch's current stream (for a CuPy caller's arrays)."""
     import cupy
 
-    with cupy.cuda.Device(device):
-        if framework == "torch":
-            import torch
-
-            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(device))
-            with stream:
-                yield stream
-        else:
-            yield cupy.cuda.get_current_stream()
+    with cupy.cuda.Device(device.index):
+        ptr = cupy.cuda.get_current_stream().ptr
+        stream = (torch.cuda.default_stream(device) if ptr == 0
+                  else torch.cuda.ExternalStream(ptr, device=device))
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
 
 
-def empty(framework: str, like: Arg, shape: Sequence[int], dtype: str) -> Arg:
-    """An uninitialised array of the caller's framework, on `like`'s device."""
-    shape = tuple(int(d) for d in shape)
-    if framework == "torch":
-        import torch
+def to_cupy(t: torch.Tensor) -> Any:
+    import cupy
 
-        array = torch.empty(shape, dtype=getattr(torch, dtype), device=like.array.device)
-    else:
-        import cupy
-
-        array = cupy.empty(shape, dtype=like.array.dtype if dtype == like.dtype else dtype)
-    return Arg("output", array, framework, shape, dtype)
-
-
-def zeros(framework: str, like: Arg, shape: Sequence[int], dtype: str) -> Any:
-    """A zero-filled array of the caller's framework (the weight gradients of an empty batch)."""
-    out = empty(framework, like, shape, dtype).array
-    out.fill(0) if framework == "cupy" else out.zero_()
-    return out
+    return cupy.from_dlpack(t)

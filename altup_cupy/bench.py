@@ -5,10 +5,14 @@ checked implementation's outputs compared with the float64 reference under the b
 rule; then for timing, the L2 cache is flushed before every call, the call is bracketed by CUDA
 events on the current stream, and the median of `reps` calls after `warmup` calls is reported.
 
-What is timed is the GPU's work. A GPU-side sleep is queued after each flush, so the host has
-finished issuing the call before the start event runs on the GPU: the Python and launch overhead
-of every implementation (ours and the baselines alike) stays out of `median_us` and is reported
-on its own as `host_us`, the median host time to issue one call.
+Two times per implementation, both with the L2 flushed before every call:
+- `median_us`, the GPU's work: a GPU-side sleep is queued after each flush, so the host has
+  finished issuing the call before the start event runs on the GPU; the Python and launch overhead
+  of every implementation (ours and the baselines alike) stays out of it.
+- `wall_us`, what a program sees of one call: the GPU idle, then CUDA events around the call with
+  no head start, so host time that the GPU cannot hide is included.
+`host_us` is the median host time to issue one call. `host_overhead` measures the host cost of
+back-to-back calls (no synchronisation) against one torch.matmul of the op's GEMM shape.
 Rows go to a CSV whose schema `CSV_COLUMNS` is shared by every op, figure and notebook.
 """
 
@@ -36,7 +40,7 @@ HOST_HEADSTART_CYCLES = 2_000_000  # ~1 ms of GPU sleep at ~2 GHz: longer than a
 
 CSV_COLUMNS = (
     "op", "impl", "suite", "N", "H", "batch_size", "seq_len", "tokens",
-    "median_us", "p10_us", "p90_us", "sol_us", "pct_sol", "tflops", "tbps",
+    "median_us", "wall_us", "p10_us", "p90_us", "sol_us", "pct_sol", "tflops", "tbps",
     "match_ratio", "rel_l2", "passed", "host_us", "gpu", "git_sha", "date",
 )
 
@@ -93,8 +97,14 @@ def run_info() -> dict:
     }
 
 
-def time_us(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[list[float], list[float]]:
-    """(GPU times, host issue times) per call in microseconds; L2 flushed before each call."""
+def time_us(fn: Callable[[], Any], reps: int, warmup: int,
+            headstart: bool = True) -> tuple[list[float], list[float]]:
+    """(event times, host issue times) per call in microseconds; L2 flushed before each call.
+
+    headstart: a GPU sleep after the flush lets the host issue the whole call before the start
+    event runs, so the event time is the GPU's work alone; without it the GPU is idle when the
+    start event is recorded and the event time is the call's wall time.
+    """
     import time
 
     import torch
@@ -107,14 +117,37 @@ def time_us(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[list[float],
     host = []
     for start, end in zip(starts, ends):
         flush.zero_()
-        torch.cuda._sleep(HOST_HEADSTART_CYCLES)
+        if headstart:
+            torch.cuda._sleep(HOST_HEADSTART_CYCLES)
+        else:
+            torch.cuda.synchronize()
         start.record()
         t0 = time.perf_counter()
         fn()
         host.append(1e6 * (time.perf_counter() - t0))
         end.record()
-        torch.cuda.synchronize()  # one call in flight at a time: the sleep covers its host cost
+        torch.cuda.synchronize()  # one call in flight at a time
     return [1e3 * s.elapsed_time(e) for s, e in zip(starts, ends)], host
+
+
+def host_cost_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 7, warmup: int = 20) -> float:
+    """Host time per call of `calls` back-to-back calls with no synchronisation between them (the
+    GPU runs behind), median over `rounds`: what issuing the op costs a program's thread."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append(1e6 * (time.perf_counter() - t0) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
 
 
 def check_outputs(bench: OpBench, w: Workload, outputs: tuple, reference: tuple):
@@ -152,13 +185,15 @@ def measure(bench: OpBench, workloads: Sequence[Workload], suite: str, reps: int
                 match, rel, passed = check_outputs(bench, w, outputs, reference)
                 del outputs
             times, host = time_us(fn, reps, warmup)
+            walls, _ = time_us(fn, reps, warmup=1, headstart=False)
             times = sorted(times)
             median = statistics.median(times)
             sol = sol_us(bench, w)
             rows.append({
                 "op": bench.op, "impl": impl.name, "suite": suite, "N": w.streams, "H": w.hidden,
                 "batch_size": w.batch_size, "seq_len": w.seq_len, "tokens": w.tokens,
-                "median_us": round(median, 2), "p10_us": round(times[len(times) // 10], 2),
+                "median_us": round(median, 2), "wall_us": round(statistics.median(walls), 2),
+                "p10_us": round(times[len(times) // 10], 2),
                 "p90_us": round(times[(9 * len(times)) // 10], 2), "sol_us": round(sol, 2),
                 "pct_sol": round(100 * sol / median, 1),
                 "tflops": round(bench.flops(w) / median / 1e6, 1),
@@ -175,10 +210,10 @@ def measure(bench: OpBench, workloads: Sequence[Workload], suite: str, reps: int
     return rows
 
 
-def write_csv(rows: Sequence[dict], path: Path) -> None:
+def write_csv(rows: Sequence[dict], path: Path, columns: Sequence[str] = CSV_COLUMNS) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
 

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from ._gpu import gpu_status
+from ._device import gpu_status
 from .bench import RESULTS_DIR, csv_path, read_csv
 from .figures import parse_rows
 

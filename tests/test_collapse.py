@@ -10,15 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import importlib
-
-from altup_cupy import _arrays, _cublas
-from altup_cupy.collapse import collapse
+from altup_cupy import _sources, collapse
+from altup_cupy._launch import PackedLaunch
+from altup_cupy.ops import collapse_versions
 from altup_cupy.reference import collapse_reference
 from altup_cupy.workloads import benchmark_workloads, collapse_inputs, tolerance_report
-
-# The module, not the function that `altup_cupy.collapse` names after the package's import.
-collapse_module = importlib.import_module("altup_cupy.collapse")
 
 pytestmark = pytest.mark.gpu
 
@@ -208,15 +204,11 @@ def test_epilogue_kernel_writes_every_output_element(seeds):
     y = torch.stack([x64[k].reshape(rows, h) @ ws[k - 1].to(torch.float64).T for k in range(1, n)])
     y32 = y.to(torch.float32).contiguous()
     out = torch.full((b, s, h), float("nan"), dtype=BF16, device="cuda")
-    chunks, threads = collapse_module.epilogue_launch_shape(n, h)
-    device = hs.device.index
-    with _arrays.caller_stream("torch", device) as stream:
-        import numpy
-
-        kernel = collapse_module.SOURCE.kernel(f"collapse_epilogue_v1<{n}, {chunks}>")
-        kernel((rows,), (threads,),
-               (numpy.uint64(hs.data_ptr()), numpy.uint64(y32.data_ptr()), numpy.uint64(out.data_ptr()),
-                numpy.int32(h), numpy.int64(rows), numpy.float32(EPS)), stream=stream)
+    chunks, threads = collapse_versions.epilogue_launch_shape(n, h)
+    kernel = _sources.COLLAPSE_V1.kernel(f"collapse_epilogue_v1<{n}, {chunks}>")
+    launch = PackedLaunch(kernel, threads, 0, ("ptr", "ptr", "ptr", "i32", "i64", "f32"))
+    launch(torch.cuda.current_stream().cuda_stream, rows, hs.data_ptr(), y32.data_ptr(), out.data_ptr(),
+           h, rows, EPS)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "the epilogue left output elements unwritten"
     # Expected from the same fp32 projections, in float64.
@@ -263,33 +255,45 @@ def test_runs_on_the_callers_torch_stream(seeds):
 
 
 def _count_gemms(monkeypatch):
+    """Record the rows of every projection GEMM (torch.bmm for stacked weights, torch.mm per
+    listed weight)."""
     calls = []
-    real = _cublas.gemm_bf16_f32
+    for name in ("bmm", "mm"):
+        real = getattr(torch, name)
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("rows"))
-        return real(*args, **kwargs)
+        def counting(a, b, *args, _real=real, **kwargs):
+            calls.append(a.shape[-2])
+            return _real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(_cublas, "gemm_bf16_f32", counting)
+        monkeypatch.setattr(torch, name, counting)
     return calls
 
 
+@pytest.fixture
+def fresh_collapse_plans():
+    """Plans are cached per shape: a test that changes how plans are built starts and ends clean."""
+    collapse_versions._v1_plan.cache_clear()
+    yield
+    collapse_versions._v1_plan.cache_clear()
+
+
 @pytest.mark.parametrize("weights", ["stacked", "list"])
-def test_workspace_chunking(weights, monkeypatch, seeds):
+def test_workspace_chunking(weights, monkeypatch, seeds, fresh_collapse_plans):
     n, b, s, h = 3, 2, 500, 3072  # M = 1000 rows
     inputs = _inputs(n, b, s, h, seeds())
     hs, ws = inputs["hidden_states"], inputs["unembed_projs"]
     ws_arg = ws if weights == "stacked" else [ws[0], ws[1]]
     whole = collapse(hs, ws_arg, EPS)
     block = 97  # 11 blocks, the last one partial (30 rows)
-    monkeypatch.setattr(collapse_module, "WORKSPACE_BYTES", block * (n - 1) * h * 4)
+    monkeypatch.setattr(collapse_versions, "WORKSPACE_BYTES", block * (n - 1) * h * 4)
+    collapse_versions._v1_plan.cache_clear()
     calls = _count_gemms(monkeypatch)
     chunked = collapse(hs, ws_arg, EPS)
     torch.cuda.synchronize()
     gemms_per_block = 1 if weights == "stacked" else n - 1
     blocks = -(-b * s // block)
     assert len(calls) == blocks * gemms_per_block, (
-        f"expected {blocks} row blocks of <= {block} rows, cuBLAS was called with rows={calls}")
+        f"expected {blocks} row blocks of <= {block} rows, the GEMMs were called with rows={calls}")
     assert max(calls) <= block and sum(calls) == b * s * gemms_per_block
     _check(chunked, hs, ws, EPS, what=f"chunked {weights}")
     # Rows are independent, so chunking changes nothing but cuBLAS' choice of algorithm.
@@ -300,8 +304,9 @@ def test_empty_batch_returns_without_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a GPU launch for M = 0")
 
-    monkeypatch.setattr(_cublas, "gemm_bf16_f32", fail)
-    monkeypatch.setattr(collapse_module.SOURCE, "kernel", fail)
+    monkeypatch.setattr(torch, "bmm", fail)
+    monkeypatch.setattr(torch, "mm", fail)
+    monkeypatch.setattr(_sources.COLLAPSE_V1, "kernel", fail)
     ws = torch.zeros((2, 3072, 3072), dtype=BF16, device="cuda")
     for shape in [(3, 0, 5, 3072), (3, 4, 0, 3072)]:
         hs = torch.zeros(shape, dtype=BF16, device="cuda")

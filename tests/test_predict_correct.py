@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from altup_cupy import predict_correct_backward
-from altup_cupy.predict_correct import VERSIONS, v4_plan_override, v4_stage_choices, v4_supported
-from altup_cupy.benchmarks.predict_correct import ARG_NAMES, eager_fp32
+from altup_cupy.ops.predict_correct_backward_versions import (VERSIONS, v4_plan_override, v4_stage_choices,
+                                                               v4_supported)
+from altup_cupy.benchmarks.predict_correct_backward import ARG_NAMES, eager_fp32
 from altup_cupy.reference import predict_correct_backward_reference
 from altup_cupy.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
 
@@ -66,7 +67,7 @@ def _v4_refuses(n, h, version, inputs, a):
     """v4 where its shared-memory ring does not fit: a clear ValueError, not a launch."""
     if version != 4 or v4_supported(n, h):
         return False
-    with pytest.raises(ValueError, match="version 3"):
+    with pytest.raises(ValueError, match=f"version 4 does not serve N = {n}, H = {h}"):
         predict_correct_backward(*_args(inputs), a, inputs["eps"], version=4)
     return True
 
@@ -161,13 +162,21 @@ def test_cupy_in_cupy_out(seeds):
     check_against_reference(w, inputs, torch_out)
 
 
-def test_caller_stream(seeds):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_caller_stream(version, seeds):
+    """The inputs are written on a side stream after a GPU-side delay; the call, made on that stream
+    without synchronising, must see them (on any other stream it would read zeros)."""
     w = _small(3, 2304, 4, 256)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
-    side = torch.cuda.Stream()
+    sources = _args(inputs)
+    targets = [torch.zeros_like(t) for t in sources]
     torch.cuda.synchronize()
+    side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        out = predict_correct_backward(*_args(inputs), 0, inputs["eps"])
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on `side`
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+        out = predict_correct_backward(*targets, 0, inputs["eps"], version=version)
     side.synchronize()
     check_against_reference(w, inputs, out)
 

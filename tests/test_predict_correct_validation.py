@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from altup_cupy import predict_correct_backward
-from altup_cupy.predict_correct import VERSIONS, v4_launch_plan, v4_supported
+from altup_cupy.ops.predict_correct_backward_versions import VERSIONS, v4_launch_plan, v4_supported
+from altup_cupy.reference import predict_correct_backward_reference
+from altup_cupy.workloads import Workload, predict_correct_backward_inputs
 
 N, B, S, H = 3, 2, 3, 16
 
@@ -61,9 +63,9 @@ def test_unsupported_streams(n):
         predict_correct_backward(**good(n=n))
 
 
-@pytest.mark.parametrize("h", [12, 8200, 16384])
-def test_unsupported_hidden(h):
-    with pytest.raises(ValueError, match="H"):
+@pytest.mark.parametrize("h,rule", [(12, "divisible by 8"), (8200, "at most 8192"), (16384, "at most 8192")])
+def test_unsupported_hidden(h, rule):
+    with pytest.raises(ValueError, match=rf"hidden size H \(grad_corrected dim 3\) must be {rule}, got {h}"):
         predict_correct_backward(**good(h=h))
 
 
@@ -85,13 +87,14 @@ def test_non_contiguous(name):
 VECTOR_ARGS = ("grad_corrected", "hidden_states", "activated", "router_weight", "norm_weight")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", VECTOR_ARGS)
 def test_misaligned(name):
     """A contiguous view that starts 2 bytes into its storage: the kernels' 16-byte accesses
     would fault, so it is refused with the argument's name."""
-    kw = good()
+    kw = {k: v.cuda() for k, v in good().items()}
     t = kw[name]
-    kw[name] = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+    kw[name] = torch.zeros(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view(t.shape)
     assert kw[name].is_contiguous() and kw[name].data_ptr() % 16
     with pytest.raises(ValueError, match=f"{name} must start at a 16-byte aligned address"):
         predict_correct_backward(**kw)
@@ -140,9 +143,30 @@ def test_eps_not_a_number():
         predict_correct_backward(**good(), eps="small")
 
 
-def test_host_tensors_rejected_with_device_error():
-    with pytest.raises(ValueError, match="grad_corrected"):
-        predict_correct_backward(**good())
+def test_cpu_tensors_run_the_float32_reference(seeds):
+    w = Workload("predict_correct_backward", 3, 64, 2, 5, 1e-3, 0.05, 1e-6, 1)
+    inputs = predict_correct_backward_inputs(w, seeds(), "cpu", "random")
+    args = [inputs[k] for k in ARGS]
+    out = predict_correct_backward(*args, 1, w.eps)
+    expected = predict_correct_backward_reference(*args, 1, w.eps, torch.float32)
+    for got, ref in zip(out, expected):
+        assert torch.equal(got, ref.to(got.dtype))
+
+
+def test_tensors_on_two_devices_are_named():
+    kw = good()
+    kw["router_weight"] = kw["router_weight"].to("meta")
+    with pytest.raises(ValueError, match="router_weight is on meta but grad_corrected is on cpu"):
+        predict_correct_backward(**kw)
+
+
+@pytest.mark.parametrize("name,expected_rank,rank", [("grad_corrected", 4, 3), ("activated", 3, 2),
+                                                   ("norm_weight", 1, 2)])
+def test_wrong_rank_names_argument_and_ranks(name, expected_rank, rank):
+    kw = good()
+    kw[name] = torch.zeros((4,) * rank, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"{name} must be a {expected_rank}-D tensor .* got a {rank}-D tensor"):
+        predict_correct_backward(**kw)
 
 
 @pytest.mark.parametrize("name", ARGS)

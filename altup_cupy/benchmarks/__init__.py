@@ -11,7 +11,7 @@ def op_bench(op: str) -> OpBench:
 
         return COLLAPSE
     if op == "predict_correct_backward":
-        from .predict_correct import PREDICT_CORRECT_BACKWARD
+        from .predict_correct_backward import PREDICT_CORRECT_BACKWARD
 
         return PREDICT_CORRECT_BACKWARD
     raise ValueError(f"unknown op {op!r}")

@@ -1,4 +1,6 @@
-"""The collapse forward in the benchmark: this package's kernel against PyTorch and cuBLAS."""
+"""The collapse forward in the benchmark: every version of this package's op against PyTorch and
+the GEMMs alone (cuBLAS through torch, as v1 issues them, and through CuPy's binding, as the
+package issued them before it moved to torch's capture-safe path)."""
 
 from __future__ import annotations
 
@@ -6,11 +8,12 @@ from functools import lru_cache
 
 import torch
 
-from .. import _arrays, _cublas
+from .. import collapse
 from ..bench import Impl, OpBench
-from ..collapse import collapse
+from ..ops.collapse_versions import PREFERENCE, VERSIONS
 from ..reference import collapse_reference
 from ..workloads import Workload, collapse_inputs
+from . import cupy_cublas, versions
 
 
 def collapse_bf16_gemm_torch(hidden_states, unembed_projs, eps: float):
@@ -31,9 +34,17 @@ def _compiled_bf16_gemm():
     return torch.compile(collapse_bf16_gemm_torch, dynamic=True)
 
 
-def _ours(inputs):
+def _ours(version):
+    def prepare(inputs):
+        hs, ws, eps = inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"]
+        return lambda: (collapse(hs, ws, eps, version=version),)
+    return prepare
+
+
+def _dispatched(inputs):
+    """The same op through torch's dispatcher (torch.ops), as torch.compile and autograd reach it."""
     hs, ws, eps = inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"]
-    return lambda: (collapse(hs, ws, eps),)
+    return lambda: (torch.ops.altup_cupy.collapse(hs, [ws], eps),)
 
 
 def _eager_fp32(inputs):
@@ -52,28 +63,34 @@ def _compiled_bf16_gemm_impl(inputs):
     return lambda: (compiled(hs, ws, eps),)
 
 
-def _cublas_gemms_alone(inputs):
-    """The two fp32-output projections exactly as `collapse` issues them, without the epilogue."""
+def _projection_operands(inputs):
     hs, ws = inputs["hidden_states"], inputs["unembed_projs"]
     streams, batch, seq, hidden = hs.shape
-    rows = batch * seq
-    y = torch.empty((streams - 1, rows, hidden), dtype=torch.float32, device=hs.device)
-
-    def run():
-        with _arrays.caller_stream("torch", hs.device.index):
-            _cublas.gemm_bf16_f32(hs.data_ptr() + 2 * rows * hidden, ws.data_ptr(), y.data_ptr(),
-                                  rows=rows, n=hidden, k=hidden, batch=streams - 1,
-                                  x_batch_stride=rows * hidden, w_batch_stride=hidden * hidden,
-                                  y_batch_stride=rows * hidden)
-    return run
+    x = hs.view(streams, batch * seq, hidden)[1:]
+    y = torch.empty((streams - 1, batch * seq, hidden), dtype=torch.float32, device=hs.device)
+    return x, ws, y
 
 
-IMPLS = (
-    Impl("altup_cupy", _ours),
+def _torch_gemms_alone(inputs):
+    """The fp32-output projections exactly as v1 issues them (torch's cuBLAS), without the epilogue."""
+    x, ws, y = _projection_operands(inputs)
+    return lambda: torch.bmm(x, ws.transpose(1, 2), out_dtype=torch.float32, out=y)
+
+
+def _cupy_cublas_gemms_alone(inputs):
+    """The same projections through CuPy's cuBLAS binding (the package's GEMM path before it moved
+    to torch's, which CUDA graphs can capture)."""
+    x, ws, y = _projection_operands(inputs)
+    return lambda: cupy_cublas.gemm_bf16_f32(x, ws, y)
+
+
+BASELINES = (
+    Impl("altup_cupy_op", _dispatched),
     Impl("torch_eager_fp32", _eager_fp32),
     Impl("torch_eager_bf16gemm", _eager_bf16_gemm),
     Impl("torch_compile_bf16gemm", _compiled_bf16_gemm_impl),
-    Impl("cublas_gemms_fp32out", _cublas_gemms_alone, checked=False),
+    Impl("torch_gemms_fp32out", _torch_gemms_alone, checked=False),
+    Impl("cublas_gemms_fp32out", _cupy_cublas_gemms_alone, checked=False),
 )
 
 
@@ -91,7 +108,7 @@ COLLAPSE = OpBench(
     output_names=("out",),
     make_inputs=lambda w, seed: collapse_inputs(w, seed),
     reference=lambda inputs: (collapse_reference(inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"]),),
-    impls=lambda w: IMPLS,
+    impls=lambda w: versions.impls(VERSIONS, PREFERENCE, _ours, w) + BASELINES,
     flops=flops,
     compulsory_bytes=compulsory_bytes,
     oracle_impl="torch_eager_fp32",

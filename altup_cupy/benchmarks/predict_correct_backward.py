@@ -1,5 +1,5 @@
-"""The predict-correct backward in the benchmark: the default (v4 on these shapes), v3, v2 and v1 against
-PyTorch and a copy floor."""
+"""The predict-correct backward in the benchmark: every version of this package's op (read off its
+registry) against PyTorch and a copy floor."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ from functools import lru_cache
 
 import torch
 
+from .. import predict_correct_backward
 from ..bench import Impl, OpBench
-from ..predict_correct import DEFAULT_VERSION, predict_correct_backward
+from ..ops.predict_correct_backward import INPUT_NAMES as ARG_NAMES
+from ..ops.predict_correct_backward_versions import PREFERENCE, VERSIONS
 from ..reference import predict_correct_autograd, predict_correct_backward_reference
 from ..workloads import Workload, predict_correct_backward_inputs
-
-ARG_NAMES = ("grad_corrected", "hidden_states", "activated", "prediction_coefs", "correction_coefs",
-             "router_weight", "norm_weight")
-
+from . import versions
 
 def _args(inputs):
     return tuple(inputs[k] for k in ARG_NAMES), inputs["active_idx"], inputs["eps"]
@@ -41,6 +40,12 @@ def _ours(version):
     return prepare
 
 
+def _dispatched(inputs):
+    """The same op through torch's dispatcher (torch.ops), as torch.compile and autograd reach it."""
+    args, a, eps = _args(inputs)
+    return lambda: torch.ops.altup_cupy.predict_correct_backward(*args, a, eps)
+
+
 def _eager(inputs):
     args, a, eps = _args(inputs)
     return lambda: eager_fp32(*args, active_idx=a, eps=eps)
@@ -57,13 +62,9 @@ def _compile(inputs):
     return lambda: fn(*args, active_idx=a, eps=eps)
 
 
-def copy_elements(w: Workload) -> int:
+def _copy_floor(inputs):
     """A bf16 device copy of (3N+2)*M*H/2 elements reads and writes 2 bytes each: it moves exactly
     the compulsory (3N+2)*M*H*2 bytes (22*M*H for N = 3)."""
-    return (3 * w.streams + 2) * w.tokens * w.hidden // 2
-
-
-def _copy_floor(inputs):
     g = inputs["grad_corrected"]
     n, b, s, h = g.shape
     count = (3 * n + 2) * b * s * h // 2
@@ -76,11 +77,8 @@ def _copy_floor(inputs):
     return run
 
 
-IMPLS = (
-    Impl("altup_cupy", _ours(DEFAULT_VERSION)),
-    Impl("altup_cupy_v3", _ours(3)),
-    Impl("altup_cupy_v2", _ours(2)),
-    Impl("altup_cupy_v1", _ours(1)),
+BASELINES = (
+    Impl("altup_cupy_op", _dispatched),
     Impl("torch_eager", _eager),
     Impl("torch_autograd", _autograd),
     Impl("torch_compile", _compile),
@@ -110,7 +108,7 @@ PREDICT_CORRECT_BACKWARD = OpBench(
                   "grad_correction_coefs", "grad_router_weight", "grad_norm_weight"),
     make_inputs=lambda w, seed: predict_correct_backward_inputs(w, seed),
     reference=_reference,
-    impls=lambda w: IMPLS,
+    impls=lambda w: versions.impls(VERSIONS, PREFERENCE, _ours, w) + BASELINES,
     flops=flops,
     compulsory_bytes=compulsory_bytes,
 )

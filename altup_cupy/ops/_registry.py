@@ -1,0 +1,55 @@
+"""What every op's version registry holds: numbered kernel versions and how to pick one.
+
+A version names the kernel sources it launches (their minimum compute capability is the
+version's), says which shapes it serves, and builds a launch plan for one shape. The dispatcher,
+the tests, the benchmark and the figures all read the registry, so adding a version is its `.cu`
+file, its `KernelSource` in `_sources.py`, and one `Version` entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Version:
+    number: int
+    note: str  # one line: what this version changed
+    sources: Sequence[Any]  # the KernelSources it launches
+    supports: Callable[..., bool]  # (streams, hidden) -> whether its kernels serve this shape
+    plan: Callable[..., Any]  # builds the launch plan of one shape (on a GPU)
+
+    @property
+    def min_compute_capability(self) -> int:
+        return max(source.min_arch for source in self.sources)
+
+    def runs_on(self, compute_capability: int, streams: int, hidden: int) -> bool:
+        return compute_capability >= self.min_compute_capability and self.supports(streams, hidden)
+
+
+def check_number(versions: Mapping[int, Version], requested: int | None) -> None:
+    if requested is not None and requested not in versions:
+        raise ValueError(f"version must be None or one of {tuple(versions)}, got {requested!r}")
+
+
+def pick(versions: Mapping[int, Version], preference: Sequence[int], requested: int | None,
+         compute_capability: int, streams: int, hidden: int, device_name: str) -> Version:
+    """The requested version (a clear error if it cannot run here), or the first of `preference`
+    that runs on this device and shape."""
+    check_number(versions, requested)
+    if requested is not None:
+        chosen = versions[requested]
+        if compute_capability < chosen.min_compute_capability:
+            raise ValueError(
+                f"version {requested} needs compute capability "
+                f"{chosen.min_compute_capability / 10:.1f} or newer; {device_name} has "
+                f"{compute_capability / 10:.1f}")
+        if not chosen.supports(streams, hidden):
+            raise ValueError(f"version {requested} does not serve N = {streams}, H = {hidden}; "
+                             "version=None picks one that does")
+        return chosen
+    for number in preference:
+        if versions[number].runs_on(compute_capability, streams, hidden):
+            return versions[number]
+    raise ValueError(f"no version serves N = {streams}, H = {hidden} on {device_name}")

@@ -1,0 +1,131 @@
+"""The AltUp collapse forward (docs/SPEC.md section 1): N streams merged into one hidden state.
+
+`collapse(...)` is the public function; `torch.ops.altup_cupy.collapse` the torch custom
+operator behind it (fake implementation for torch.compile, the kernels on CUDA, the float32
+reference on the CPU). Eager calls on CUDA tensors that need no autograd take the fast path: the
+validated inputs go straight to the cached launch plan of their shape, skipping the dispatcher's
+Python layers (the result is the same kernels' on the same stream).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .. import _arrays, _device
+from .._sources import SUPPORTED_STREAMS
+from ..reference import collapse_reference
+from . import _registry
+from .collapse_versions import PREFERENCE, VERSIONS
+
+BF16 = torch.bfloat16
+
+
+def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor], eps: Any):
+    """Named errors for anything the kernels cannot take; returns (N, B, S, H, device, eps)."""
+    _arrays.check_tensor("hidden_states", hidden_states, BF16, (None, None, None, None), "N B S H")
+    streams, batch, seq, hidden = hidden_states.shape
+    if streams not in SUPPORTED_STREAMS:
+        raise ValueError(f"hidden_states must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
+    if hidden % 8:
+        raise ValueError(f"hidden size H (hidden_states dim 3) must be divisible by 8, got {hidden}")
+    named = [("hidden_states", hidden_states)]
+    if len(unembed_projs) == 1 and unembed_projs[0].dim() == 3:
+        _arrays.check_tensor("unembed_projs", unembed_projs[0], BF16, (streams - 1, hidden, hidden),
+                             "N-1 H H")
+        named.append(("unembed_projs", unembed_projs[0]))
+    else:
+        if len(unembed_projs) != streams - 1:
+            raise ValueError(f"unembed_projs must hold N-1 = {streams - 1} matrices for N = {streams} "
+                             f"streams, got {len(unembed_projs)}")
+        for i, w in enumerate(unembed_projs):
+            _arrays.check_tensor(f"unembed_projs[{i}]", w, BF16, (hidden, hidden), "H H")
+            named.append((f"unembed_projs[{i}]", w))
+    eps = _arrays.positive_finite("eps", eps)
+    device = _arrays.check_devices(named)
+    if device.type == "cuda":
+        _arrays.check_aligned(named[:1])
+    return streams, batch, seq, hidden, device, eps
+
+
+def _run_cuda(hidden_states, unembed_projs, eps, version):
+    streams, batch, seq, hidden, device, eps = validate(hidden_states, unembed_projs, eps)
+    out = torch.empty((batch, seq, hidden), dtype=BF16, device=device)
+    rows = batch * seq
+    if rows == 0:
+        return out
+    index = device.index
+    capability, name = _device.facts(index)
+    chosen = _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
+    plan = chosen.plan(streams, rows, hidden, index)
+    plan(hidden_states, list(unembed_projs), out, eps, torch.cuda.current_stream(device).cuda_stream)
+    return out
+
+
+@torch.library.custom_op("altup_cupy::collapse", mutates_args=(), device_types="cuda")
+def collapse_op(hidden_states: torch.Tensor, unembed_projs: list[torch.Tensor], eps: float,
+                version: int | None = None) -> torch.Tensor:
+    with _device.on(hidden_states.device):
+        return _run_cuda(hidden_states, unembed_projs, eps, version)
+
+
+@collapse_op.register_kernel("cpu")
+def _collapse_cpu(hidden_states, unembed_projs, eps, version=None):
+    validate(hidden_states, unembed_projs, eps)
+    _registry.check_number(VERSIONS, version)
+    weights = unembed_projs[0] if len(unembed_projs) == 1 and unembed_projs[0].dim() == 3 else unembed_projs
+    return collapse_reference(hidden_states, weights, eps, torch.float32).to(BF16)
+
+
+@collapse_op.register_fake
+def _collapse_fake(hidden_states, unembed_projs, eps, version=None):
+    streams, batch, seq, hidden, device, _ = validate(hidden_states, unembed_projs, eps)
+    _registry.check_number(VERSIONS, version)
+    return hidden_states.new_empty((batch, seq, hidden))
+
+
+# Tensor subclasses (fake, functional, user subclasses) go through the dispatcher, which knows them.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _fast_path_applies(tensors: Sequence[torch.Tensor]) -> bool:
+    """Eager CUDA tensors with no autograd to record and no tracing: the dispatcher adds nothing."""
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if not t.is_cuda or (grad and t.requires_grad) or type(t) not in _PLAIN_TENSORS:
+            return False
+    return True
+
+
+def collapse(hidden_states: Any, unembed_projs: Sequence[Any] | Any, eps: float = 1e-5, *,
+             version: int | None = None) -> Any:
+    """Merge N AltUp streams into one hidden state.
+
+    hidden_states: bf16 [N, B, S, H]; unembed_projs: N-1 bf16 [H, H] matrices (nn.Linear layout,
+    y = x @ W^T), as a list or one stacked [N-1, H, H] tensor; eps clamps the mean square of each
+    projection. Returns bf16 [B, S, H]: a torch tensor for torch inputs, a CuPy array for CuPy
+    inputs, computed on the caller's current stream. CPU tensors run the float32 reference.
+    version None (default): the fastest version for this GPU and shape (see `VERSIONS`).
+    """
+    listed = isinstance(unembed_projs, (list, tuple))
+    raw = list(unembed_projs) if listed else [unembed_projs]
+    names = ([f"unembed_projs[{i}]" for i in range(len(raw))] if listed else ["unembed_projs"])
+    cupy_in = _arrays.check_framework([("hidden_states", hidden_states), *zip(names, raw)])
+    hs = _arrays.as_tensor("hidden_states", hidden_states)
+    weights = [_arrays.as_tensor(n, w) for n, w in zip(names, raw)]
+    if not listed and weights[0].dim() != 3:
+        raise ValueError("unembed_projs must be a 3-D tensor [N-1, H, H] (or a list of N-1 [H, H] "
+                         f"matrices), got a {weights[0].dim()}-D tensor of shape {list(weights[0].shape)}")
+    # Scalars are checked here too: the dispatcher would refuse a wrong type with its own words.
+    eps = _arrays.positive_finite("eps", eps)
+    _registry.check_number(VERSIONS, version)
+    if not cupy_in:
+        if _fast_path_applies([hs, *weights]):
+            with _device.on(hs.device):
+                return _run_cuda(hs, weights, eps, version)
+        return torch.ops.altup_cupy.collapse(hs, weights, eps, version)
+    with _arrays.cupy_caller_stream(hs.device):
+        return _arrays.to_cupy(_run_cuda(hs, weights, eps, version))

@@ -1,0 +1,95 @@
+"""The collapse's kernel versions and their launch plans (docs/SPEC.md section 1).
+
+v1: the projections y_k = x_k @ W_k^T by cuBLAS through torch (bf16 in, fp32 out:
+`torch.mm(..., out_dtype=torch.float32)`, which PyTorch runs on its own cuBLAS handle with a
+workspace per stream, so it is captured in CUDA graphs) into an fp32 workspace, then one RawKernel
+(`collapse_epilogue_v1`) reads stream 0 and the projections once and writes the bf16 result. Rows
+are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import _sources
+from .._launch import PackedLaunch
+from ._registry import Version
+
+WORKSPACE_BYTES = 1 << 30
+TARGET_THREADS = 512
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def epilogue_launch_shape(streams: int, hidden: int) -> tuple[int, int]:
+    """(chunks per thread, threads per block) for one row of `hidden` elements.
+
+    The fewest chunks whose block, at most TARGET_THREADS wide, covers the row in one sweep (the
+    row then stays in registers); rows too wide for any of them take several sweeps of the widest
+    block with one chunk each.
+    """
+    slices = hidden // 8
+    for chunks in _sources.COLLAPSE_CHUNK_CHOICES:
+        threads = max(32, _ceil_div(_ceil_div(slices, chunks), 32) * 32)
+        if threads <= min(TARGET_THREADS, _sources.collapse_max_threads(streams, chunks)):
+            return chunks, threads
+    return 1, _sources.collapse_max_threads(streams, 1)
+
+
+def rows_per_block(rows: int, streams: int, hidden: int) -> int:
+    """How many rows one GEMM + epilogue round handles, given the fp32 workspace bound."""
+    per_row = (streams - 1) * hidden * 4
+    return max(1, min(rows, WORKSPACE_BYTES // per_row))
+
+
+class V1Plan:
+    """One shape's v1: the GEMMs through torch, the epilogue through a packed launch."""
+
+    def __init__(self, streams: int, rows: int, hidden: int):
+        chunks, threads = epilogue_launch_shape(streams, hidden)
+        kernel = _sources.COLLAPSE_V1.kernel(f"collapse_epilogue_v1<{streams}, {chunks}>")
+        self.epilogue = PackedLaunch(kernel, threads, 0, ("ptr", "ptr", "ptr", "i32", "i64", "f32"))
+        self.streams, self.rows, self.hidden = streams, rows, hidden
+        self.block_rows = rows_per_block(rows, streams, hidden)
+
+    def __call__(self, hidden_states: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
+                 eps: float, stream: int) -> None:
+        streams, rows, hidden, block_rows = self.streams, self.rows, self.hidden, self.block_rows
+        stacked = len(weights) == 1
+        projections = hidden_states.view(streams, rows, hidden)[1:]
+        workspace = torch.empty((streams - 1) * block_rows * hidden, dtype=torch.float32,
+                                device=hidden_states.device)
+        for first in range(0, rows, block_rows):
+            count = min(block_rows, rows - first)
+            x = projections[:, first:first + count]
+            y = workspace[: (streams - 1) * count * hidden].view(streams - 1, count, hidden)
+            if stacked:
+                torch.bmm(x, weights[0].transpose(1, 2), out_dtype=torch.float32, out=y)
+            else:
+                for k, w in enumerate(weights):
+                    torch.mm(x[k], w.t(), out_dtype=torch.float32, out=y[k])
+            self.epilogue(stream, count, hidden_states.data_ptr() + 2 * first * hidden, y.data_ptr(),
+                          out.data_ptr() + 2 * first * hidden, hidden, count, eps)
+
+
+@functools.lru_cache(maxsize=256)
+def _v1_plan(streams: int, rows: int, hidden: int, device: int) -> V1Plan:
+    with torch.cuda.device(device):
+        return V1Plan(streams, rows, hidden)
+
+
+VERSIONS = {
+    1: Version(
+        number=1,
+        note="cuBLAS projections into an fp32 workspace, then one fused epilogue kernel",
+        sources=(_sources.COLLAPSE_V1,),
+        supports=lambda streams, hidden: True,
+        plan=_v1_plan,
+    ),
+}
+# The default: the first of these that runs on the device and shape.
+PREFERENCE = (1,)

@@ -1,0 +1,327 @@
+"""The predict-correct backward's kernel versions and their launch plans (docs/SPEC.md section 2).
+
+v4 (Hopper): v3's arithmetic with each token's rows streamed into a ring of shared-memory stages
+    by the bulk-copy engine (cp.async.bulk completing on an mbarrier), two tokens ahead of the
+    compute, and the per-token scalar phase on a dedicated warp one token behind; one block per SM.
+v3: one pass over memory on a persistent grid with ONE block reduction per token.
+v2: the first fused version: three reduction rounds per token.
+v1 (teaching): one small kernel per derivation stage, intermediates in global scratch.
+v2-v4 write per-block partials of the weight gradients that the reduce kernel sums in a fixed
+order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
+
+A plan is built once per (version, N, active index, tokens, H, device): launch shape, occupancy,
+packed launches. Calling it allocates the scratch through torch's caching allocator and launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+
+from .. import _sources as S
+from .._launch import PackedLaunch
+from ._registry import Version
+
+# Hopper's shared memory: at most 227 KiB per block.
+SHARED_PER_BLOCK = 227 * 1024
+# The widest rows v2 (4 slices of 8 x 256 threads) and v3 (2 slices of 8 x 512 threads) cover.
+MAX_HIDDEN = 8192
+V1_MAX_CHUNKS = 256  # token chunks of v1's weight-gradient reductions
+V4_MIN_STAGES = 3  # token j in pass 1, token j - 1 in pass 2, and one arriving
+MAIN_ARGS = ("ptr",) * 10 + ("i32", "i64", "f32")  # g hs act P Q R w grad_hs grad_act partials H M eps
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int) -> int:
+    """Resident blocks per SM: registers are allocated per warp in units of 256 (64K per SM, at
+    most 64 warps), shared memory per block plus 1 KiB reserved (228 KiB per SM)."""
+    warps = _ceil_div(threads, 32)
+    per_warp = _ceil_div(max(registers, 1) * 32, 256) * 256
+    by_regs = min(64, 65536 // per_warp) // warps
+    by_smem = (228 * 1024) // (shared_bytes + 1024)
+    by_threads = 2048 // threads
+    return max(1, min(by_regs, by_smem, by_threads, cap))
+
+
+def _grid(kernel, threads: int, shared: int, cap: int, tokens: int, device: int,
+          carveout_shared: bool = False) -> int:
+    """Persistent grid size; lets the kernel use `shared` bytes of dynamic shared memory (past
+    48 KiB, static included, a kernel must opt in). carveout_shared: ask for the largest
+    shared-memory carveout of L1 (for a kernel that reads through shared memory, not L1)."""
+    if kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    if carveout_shared:
+        kernel.preferred_shared_memory_carveout = 100
+    per_sm = blocks_per_sm(kernel.num_regs, threads, shared + kernel.shared_size_bytes, cap)
+    return min(tokens, _sm_count(device) * per_sm)
+
+
+class _Reduce:
+    """The fixed-order sum of `blocks` partial rows into the four fp32 weight gradients."""
+
+    def __init__(self, streams: int, hidden: int):
+        kernel = S.PREDICT_CORRECT_BACKWARD_REDUCE.kernel(f"predict_correct_backward_reduce<{streams}>")
+        self.launch = PackedLaunch(kernel, S.REDUCE_THREADS, 0, ("ptr", "i32", "i32", "ptr", "ptr", "ptr", "ptr"))
+        self.grid = _ceil_div(S.partial_stride(streams, hidden) // 4, 32)  # 32 float4 columns a block
+        self.hidden = hidden
+
+    def __call__(self, stream: int, partials: torch.Tensor, blocks: int, outs) -> None:
+        _, _, grad_P, grad_Q, grad_R, grad_w = outs
+        self.launch(stream, self.grid, partials.data_ptr(), blocks, self.hidden, grad_R.data_ptr(),
+                    grad_w.data_ptr(), grad_P.data_ptr(), grad_Q.data_ptr())
+
+
+class FusedPlan:
+    """v2-v4: one persistent kernel writing activation gradients and per-block partials, then the
+    reduction."""
+
+    def __init__(self, kernel, threads: int, shared: int, blocks: int, streams: int, tokens: int,
+                 hidden: int, extra_args: tuple = (), extra_types: tuple = ()):
+        self.main = PackedLaunch(kernel, threads, shared, MAIN_ARGS + extra_types)
+        self.reduce = _Reduce(streams, hidden)
+        self.blocks, self.extra_args = blocks, extra_args
+        self.partial_floats = blocks * S.partial_stride(streams, hidden)
+        self.tokens, self.hidden = tokens, hidden
+
+    def __call__(self, inputs, outs, eps: float, stream: int) -> None:
+        partials = torch.empty(self.partial_floats, dtype=torch.float32, device=inputs[0].device)
+        self.main(stream, self.blocks, *(t.data_ptr() for t in inputs), outs[0].data_ptr(),
+                  outs[1].data_ptr(), partials.data_ptr(), self.hidden, self.tokens, eps,
+                  *self.extra_args)
+        self.reduce(stream, partials, self.blocks, outs)
+
+
+# ---- v1 -----------------------------------------------------------------------------------------
+
+
+class V1Plan:
+    """One kernel per derivation stage; scratch rows in fp32."""
+
+    STAGES = (  # stage, argument types after its pointers, grid kind
+        "forward_stats", "correction_grads", "correct_router_bwd", "prediction_grads",
+        "predict_router_bwd", "elementwise", "weight_grads", "coef_grads")
+
+    def __init__(self, streams: int, active: int, tokens: int, hidden: int):
+        n = streams
+        kernel = lambda stage: S.PREDICT_CORRECT_BACKWARD_V1.kernel(  # noqa: E731
+            f"predict_correct_backward_v1_{stage}<{n}>")
+        t = S.V1_THREADS
+        P = lambda count: ("ptr",) * count  # noqa: E731
+        self.forward_stats = PackedLaunch(kernel("forward_stats"), t, 0, P(7) + ("i32", "i64", "i32", "f32"))
+        self.correction_grads = PackedLaunch(kernel("correction_grads"), t, 0, P(4) + ("i32", "i64", "i32"))
+        self.correct_router_bwd = PackedLaunch(kernel("correct_router_bwd"), t, 0, P(6) + ("i32", "i64"))
+        self.prediction_grads = PackedLaunch(kernel("prediction_grads"), t, 0, P(3) + ("i32", "i64", "i32"))
+        self.predict_router_bwd = PackedLaunch(kernel("predict_router_bwd"), t, 0, P(6) + ("i32", "i64", "i32"))
+        self.elementwise = PackedLaunch(kernel("elementwise"), t, 0, P(6) + ("i32", "i64", "i32"))
+        self.weight_grads = PackedLaunch(kernel("weight_grads"), t, 0, P(6) + ("i32", "i64", "i32", "i64"))
+        self.coef_grads = PackedLaunch(kernel("coef_grads"), t, 0, P(2) + ("i32", "i64", "i64"))
+        self.reduce = _Reduce(streams, hidden)
+        chunks = min(tokens, V1_MAX_CHUNKS)
+        self.per_chunk = _ceil_div(tokens, chunks)
+        self.chunks = _ceil_div(tokens, self.per_chunk)
+        self.streams, self.active, self.tokens, self.hidden = streams, active, tokens, hidden
+
+    def __call__(self, inputs, outs, eps: float, stream: int) -> None:
+        n, a, M, H = self.streams, self.active, self.tokens, self.hidden
+        g, hs, act, P, Q, R, w = (t.data_ptr() for t in inputs)
+        grad_hs, grad_act = outs[0].data_ptr(), outs[1].data_ptr()
+        f32 = dict(dtype=torch.float32, device=inputs[0].device)
+        stats = torch.empty(M * S.token_stats_size(n), **f32)
+        gx_p, gx_c = torch.empty(M * H, **f32), torch.empty(M * H, **f32)
+        partials = torch.empty(self.chunks * S.partial_stride(n, H), **f32)
+        st, xp, xc, pa = stats.data_ptr(), gx_p.data_ptr(), gx_c.data_ptr(), partials.data_ptr()
+        slices = H // 8
+        self.forward_stats(stream, M, hs, act, P, Q, R, w, st, H, M, a, eps)
+        self.correction_grads(stream, M, g, hs, act, st, H, M, a)
+        self.correct_router_bwd(stream, M, act, Q, R, w, st, xc, H, M)
+        self.prediction_grads(stream, M, g, hs, st, H, M, a)
+        self.predict_router_bwd(stream, M, hs, P, R, w, st, xp, H, M, a)
+        self.elementwise(stream, _ceil_div(M * slices, S.V1_THREADS), g, st, xp, xc, grad_hs, grad_act, H, M, a)
+        self.weight_grads(stream, (_ceil_div(slices, S.V1_THREADS), self.chunks), hs, act, R, w, st, pa,
+                          H, M, a, self.per_chunk)
+        self.coef_grads(stream, (n**3 + n**2, self.chunks), st, pa, H, M, self.per_chunk)
+        self.reduce(stream, partials, self.chunks, outs)
+
+
+# ---- v2 -----------------------------------------------------------------------------------------
+
+
+def v2_launch_shape(streams: int, hidden: int) -> tuple[int, bool, int]:
+    """(slices per thread, resident, threads per block) of v2 for this N and H. v2 gives thread i
+    the coefficient-gradient entry i, so a block has at least N^3 + N^2 threads."""
+    slices = hidden // 8
+    min_threads = _round_up(streams**3 + streams**2, 32)
+    if slices <= S.V2_RESIDENT_THREADS[streams]:
+        return 1, True, max(min_threads, _round_up(slices, 32))
+    for per_thread in S.NONRESIDENT_SLICES:
+        threads = _ceil_div(slices, per_thread)
+        if threads <= S.V2_NONRESIDENT_THREADS:
+            return per_thread, False, max(min_threads, _round_up(threads, 32))
+    raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
+
+
+def v2_shared_bytes(streams: int, per_thread: int, resident: bool, threads: int) -> int:
+    """Dynamic shared memory: fp32 accumulators, then (resident) the cp.async prefetch stage."""
+    acc = (streams + 1) * per_thread * 8 * threads * 4
+    stage = (2 * streams + 1) * per_thread * threads * 16 if resident else 0
+    return acc + 2 * stage
+
+
+def _v2_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> FusedPlan:
+    per_thread, resident, threads = v2_launch_shape(streams, hidden)
+    kernel = S.PREDICT_CORRECT_BACKWARD_V2.kernel(
+        f"predict_correct_backward_v2<{streams}, {active}, {per_thread}, {'true' if resident else 'false'}>")
+    shared = v2_shared_bytes(streams, per_thread, resident, threads)
+    blocks = _grid(kernel, threads, shared, 2, tokens, device)
+    return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden)
+
+
+# ---- v3 -----------------------------------------------------------------------------------------
+
+
+def v3_launch_shape(hidden: int) -> tuple[int, int, int]:
+    """(slices per thread, min blocks per SM, threads per block) of v3: two blocks per SM while
+    one slice per thread covers H in the two-block launch bound, then one, then two slices."""
+    slices = hidden // 8
+    for per_thread, min_blocks in S.V3_VARIANTS:
+        threads = _round_up(_ceil_div(slices, per_thread), 32)
+        if threads <= (S.V3_TWO_BLOCK_THREADS if min_blocks == 2 else S.V3_ONE_BLOCK_THREADS):
+            return per_thread, min_blocks, threads
+    raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
+
+
+def v3_shared_bytes(streams: int, per_thread: int, threads: int) -> int:
+    """Dynamic shared memory of v3: the block's S accumulator [N][slices per thread][8][threads]."""
+    return streams * per_thread * 8 * threads * 4
+
+
+def _v3_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> FusedPlan:
+    per_thread, min_blocks, threads = v3_launch_shape(hidden)
+    kernel = S.PREDICT_CORRECT_BACKWARD_V3.kernel(
+        f"predict_correct_backward_v3<{streams}, {active}, {per_thread}, {min_blocks}>")
+    shared = v3_shared_bytes(streams, per_thread, threads)
+    blocks = _grid(kernel, threads, shared, 8, tokens, device)
+    return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden)
+
+
+# ---- v4 -----------------------------------------------------------------------------------------
+
+
+def v4_threads(hidden: int) -> int:
+    """Threads per v4 block: one compute thread per 8-element slice, rounded up to whole warps,
+    plus the scalar warp."""
+    return _round_up(hidden // 8, 32) + 32
+
+
+def v4_shared_bytes(streams: int, hidden: int, stages: int) -> int:
+    """Dynamic shared memory of v4: `stages` stages of 2N+1 bf16 rows, then R*w in fp32 [N, H]."""
+    return stages * (2 * streams + 1) * 2 * hidden + streams * hidden * 4
+
+
+def _v4_fits(streams: int, hidden: int, stages: int, static_bytes: int) -> bool:
+    return (v4_threads(hidden) <= S.V4_MAX_THREADS
+            and v4_shared_bytes(streams, hidden, stages) + static_bytes <= SHARED_PER_BLOCK)
+
+
+def v4_supported(streams: int, hidden: int) -> bool:
+    """Whether v4's ring of its fewest stages fits one block (and one slice per thread does)."""
+    return _v4_fits(streams, hidden, V4_MIN_STAGES, S.V4_STATIC_SHARED_BOUND)
+
+
+def v4_stage_choices(streams: int, hidden: int) -> list[int]:
+    """Every ring-stage count v4 can launch with for this N and H (the sweep and the tests)."""
+    if not v4_supported(streams, hidden):
+        return []
+    return [count for count in range(V4_MIN_STAGES, S.V4_MAX_STAGES + 1)
+            if _v4_fits(streams, hidden, count, S.V4_STATIC_SHARED_BOUND)]
+
+
+def v4_launch_plan(streams: int, hidden: int, static_bytes: int = S.V4_STATIC_SHARED_BOUND,
+                   stages: int | None = None) -> int:
+    """Ring stages of v4: the most that fit one block's shared memory, or `stages` if fixed
+    (v4_plan_override); a choice that does not fit raises ValueError."""
+    if not v4_supported(streams, hidden):
+        raise ValueError(f"v4 does not apply to N = {streams}, H = {hidden}: its shared-memory ring "
+                         f"does not fit (H <= 2560 needed); use version 3")
+    for count in ((stages,) if stages else range(S.V4_MAX_STAGES, V4_MIN_STAGES - 1, -1)):
+        if V4_MIN_STAGES <= count <= S.V4_MAX_STAGES and _v4_fits(streams, hidden, count, static_bytes):
+            return count
+    raise ValueError(f"v4 with {stages} stages does not fit N = {streams}, H = {hidden}")
+
+
+# Ring stages that v4 launches with instead of v4_launch_plan's choice (None: the default). Set
+# only through v4_plan_override; part of the plan cache's key.
+_v4_stages_override: int | None = None
+
+
+@contextlib.contextmanager
+def v4_plan_override(stages: int | None = None) -> Iterator[None]:
+    """Launch v4 with this many ring stages inside the block (the tuning sweep and the tests that
+    cover every plan); a count that does not fit the shape raises ValueError at the call."""
+    global _v4_stages_override
+    saved, _v4_stages_override = _v4_stages_override, stages
+    try:
+        yield
+    finally:
+        _v4_stages_override = saved
+
+
+def _v4_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> FusedPlan:
+    return _v4_plan_with_stages(streams, active, tokens, hidden, device, _v4_stages_override)
+
+
+@functools.lru_cache(maxsize=256)
+def _v4_plan_with_stages(streams, active, tokens, hidden, device, stages_override) -> FusedPlan:
+    with torch.cuda.device(device):
+        return _build_v4_plan(streams, active, tokens, hidden, device, stages_override)
+
+
+def _build_v4_plan(streams, active, tokens, hidden, device, stages_override) -> FusedPlan:
+    kernel = S.PREDICT_CORRECT_BACKWARD_V4.kernel(f"predict_correct_backward_v4<{streams}, {active}>")
+    stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, stages_override)
+    shared = v4_shared_bytes(streams, hidden, stages)
+    threads = v4_threads(hidden)
+    blocks = _grid(kernel, threads, shared, 1, tokens, device, carveout_shared=True)
+    return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden, (stages,), ("i32",))
+
+
+def _cached(build):
+    @functools.lru_cache(maxsize=256)
+    def plan(streams: int, active: int, tokens: int, hidden: int, device: int):
+        with torch.cuda.device(device):
+            return build(streams, active, tokens, hidden, device)
+    return plan
+
+
+VERSIONS = {
+    1: Version(1, "one small kernel per derivation stage, intermediates in global scratch",
+               (S.PREDICT_CORRECT_BACKWARD_V1, S.PREDICT_CORRECT_BACKWARD_REDUCE),
+               lambda streams, hidden: True,
+               _cached(lambda n, a, m, h, d: V1Plan(n, a, m, h))),
+    2: Version(2, "one fused pass, three block-reduction rounds per token",
+               (S.PREDICT_CORRECT_BACKWARD_V2, S.PREDICT_CORRECT_BACKWARD_REDUCE),
+               lambda streams, hidden: True, _cached(_v2_plan)),
+    3: Version(3, "one block reduction per token (every reduction is a dot product of raw rows)",
+               (S.PREDICT_CORRECT_BACKWARD_V3, S.PREDICT_CORRECT_BACKWARD_REDUCE),
+               lambda streams, hidden: True, _cached(_v3_plan)),
+    4: Version(4, "rows streamed into a shared-memory ring by the bulk-copy engine; scalar warp",
+               (S.PREDICT_CORRECT_BACKWARD_V4, S.PREDICT_CORRECT_BACKWARD_REDUCE),
+               v4_supported, _v4_plan),
+}
+# The default: the first of these that runs on the device and shape (v4 needs Hopper).
+PREFERENCE = (4, 3)
