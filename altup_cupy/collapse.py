@@ -2,7 +2,7 @@
 
 v1: for each block of rows, cuBLAS projects streams 1..N-1 into an fp32 workspace (one strided
 batched call when the weights are stacked, one call per weight otherwise), then one RawKernel
-(`collapse_epilogue_v1` in collapse.cu) reads stream 0 and the projections once and writes the
+(`collapse_epilogue_v1` in kernels/collapse_v1.cu) reads stream 0 and the projections once and writes the
 bf16 result. The workspace is bounded: rows are processed in blocks of at most
 `WORKSPACE_BYTES` of fp32 projections.
 """
@@ -15,17 +15,13 @@ import numpy
 
 from . import _arrays, _cublas
 from ._arrays import BF16, F32
-from ._build import KernelSource
+from ._sources import COLLAPSE_CHUNK_CHOICES as CHUNK_CHOICES
+from ._sources import COLLAPSE_V1 as SOURCE
+from ._sources import SUPPORTED_STREAMS
+from ._sources import collapse_max_threads as max_threads
 
-SUPPORTED_STREAMS = (2, 3, 4)
-CHUNK_CHOICES = (1, 2, 4)
 TARGET_THREADS = 512
 WORKSPACE_BYTES = 1 << 30
-
-SOURCE = KernelSource(
-    "collapse.cu",
-    tuple(f"collapse_epilogue_v1<{n}, {c}>" for n in SUPPORTED_STREAMS for c in CHUNK_CHOICES),
-)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -34,11 +30,6 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
-
-
-def max_threads(streams: int, chunks: int) -> int:
-    """The `__launch_bounds__` of collapse_epilogue_v1<streams, chunks> (collapse_max_threads)."""
-    return 1024 if streams * chunks <= 4 else 512 if streams * chunks <= 8 else 256
 
 
 def epilogue_launch_shape(streams: int, hidden: int) -> tuple[int, int]:

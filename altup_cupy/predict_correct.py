@@ -1,15 +1,15 @@
 """Host side of the AltUp predict-correct backward (SPEC.md section 2).
 
 Default: v4 where it applies (H <= 2560: one slice per thread and its shared-memory ring fit), otherwise v3.
-v4: `pc_v4_fused`: v3's arithmetic with each token's rows streamed into a ring of shared-memory
+v4: `predict_correct_backward_v4` (Hopper only): v3's arithmetic with each token's rows streamed into a ring of shared-memory
 stages by the bulk-copy engine (cp.async.bulk completing on an mbarrier), two tokens ahead of the
 compute, and the per-token scalar phase on a dedicated warp one token behind the compute warps;
 one block per SM; the same partials and reduction as v3.
-v3: `pc_v3_fused` in predict_correct_bwd.cu: one pass over memory on a persistent grid
+v3: `predict_correct_backward_v3` (kernels/predict_correct_backward_v3.cu): one pass over memory on a persistent grid
 (two blocks per SM for H <= 2560; block b handles tokens b, b + G, ...) with ONE block reduction
-per token, writing per-block partials of the weight gradients that `pc_reduce_partials` sums in
+per token, writing per-block partials of the weight gradients that `predict_correct_backward_reduce` sums in
 a fixed order (bitwise deterministic).
-v2: `pc_v2_fused`, the first fused version: three reduction rounds per token, rows staged by
+v2: `predict_correct_backward_v2`, the first fused version: three reduction rounds per token, rows staged by
 cp.async (resident) when one slice per thread covers H, re-read otherwise.
 v1 (teaching): one small kernel per derivation stage with intermediates in global scratch.
 """
@@ -23,52 +23,32 @@ from typing import Any, Iterator, NamedTuple
 import numpy
 
 from . import _arrays
+from ._device import compute_capability
 from ._arrays import BF16, F32
-from ._build import KernelSource
+from ._sources import NONRESIDENT_SLICES, SUPPORTED_STREAMS, V1_THREADS, V4_MAX_STAGES
+from ._sources import V4_MAX_THREADS, V4_STATIC_SHARED_BOUND
+from ._sources import PREDICT_CORRECT_BACKWARD_REDUCE as REDUCE_SOURCE
+from ._sources import PREDICT_CORRECT_BACKWARD_V1 as V1_SOURCE
+from ._sources import PREDICT_CORRECT_BACKWARD_V2 as V2_SOURCE
+from ._sources import PREDICT_CORRECT_BACKWARD_V3 as V3_SOURCE
+from ._sources import PREDICT_CORRECT_BACKWARD_V4 as V4_SOURCE
+from ._sources import REDUCE_THREADS, V2_NONRESIDENT_THREADS as NONRESIDENT_THREADS
+from ._sources import V2_RESIDENT_THREADS as RESIDENT_THREADS, V3_ONE_BLOCK_THREADS, V3_TWO_BLOCK_THREADS
+from ._sources import partial_stride, token_stats_size
 
-SUPPORTED_STREAMS = (2, 3, 4)
-# v3 instantiations: (slices per thread, min blocks per SM); launch bound 320 threads for two
-# blocks per SM (H <= 2560), 512 for one.
-V3_VARIANTS = ((1, 2), (1, 1), (2, 1))
 VERSIONS = (1, 2, 3, 4)
 DEFAULT_VERSION = None  # v4 where it applies (v4_supported: H <= 2560), else v3
 MAX_HIDDEN = 8192  # v2: 4 slices of 8 per thread x 256 threads; v3: 2 x 512
-# v4: one slice per compute thread plus the scalar warp, at most V4_MAX_THREADS (kV4MaxThreads in
-# the .cu: H <= 2560); 3 to V4_MAX_STAGES ring stages (kV4MaxStages in the .cu).
-V4_MAX_THREADS = 352
+# v4: one slice per compute thread plus the scalar warp, at most V4_MAX_THREADS (H <= 2560);
+# V4_MIN_STAGES to V4_MAX_STAGES ring stages.
 V4_MIN_STAGES = 3  # token j in pass 1, token j - 1 in pass 2, and one arriving
-V4_MAX_STAGES = 6
 # Hopper's shared memory: 228 KiB per SM, at most 227 KiB per block, 1 KiB reserved per block.
 SHARED_PER_SM = 228 * 1024
 SHARED_PER_BLOCK = 227 * 1024
 SHARED_RESERVED_PER_BLOCK = 1024
-# A bound on v4's static shared memory (V4Shared<N> and the stage barriers: 5.1 KiB for N = 4)
-# for deciding without a GPU whether v4 applies; launches use the compiled kernel's own number.
-V4_STATIC_SHARED_BOUND = 6 * 1024
-RESIDENT_THREADS = {2: 320, 3: 320, 4: 256}  # launch bounds of the resident v2 kernels
-NONRESIDENT_THREADS = 256
-NONRESIDENT_SLICES = (2, 4)
-V1_THREADS = 256
+# Launches use the compiled v4 kernel's own static shared memory; V4_STATIC_SHARED_BOUND decides
+# without a GPU whether v4 applies.
 V1_MAX_CHUNKS = 256  # token chunks of the v1 weight-gradient reductions
-
-V1_STAGES = ("forward_stats", "correction_grads", "correct_router_bwd", "prediction_grads",
-             "predict_router_bwd", "elementwise", "weight_grads", "coef_grads")
-
-
-def _name_expressions() -> tuple[str, ...]:
-    names = []
-    for n in SUPPORTED_STREAMS:
-        names.append(f"pc_reduce_partials<{n}>")
-        names += [f"pc_v1_{stage}<{n}>" for stage in V1_STAGES]
-        for a in range(n):
-            names.append(f"pc_v2_fused<{n}, {a}, 1, true>")
-            names += [f"pc_v2_fused<{n}, {a}, {s}, false>" for s in NONRESIDENT_SLICES]
-            names += [f"pc_v3_fused<{n}, {a}, {s}, {b}>" for s, b in V3_VARIANTS]
-            names.append(f"pc_v4_fused<{n}, {a}>")
-    return tuple(names)
-
-
-SOURCE = KernelSource("predict_correct_bwd.cu", _name_expressions())
 
 
 class PredictCorrectGrads(NamedTuple):
@@ -78,17 +58,6 @@ class PredictCorrectGrads(NamedTuple):
     grad_correction_coefs: Any  # fp32 [N, N]
     grad_router_weight: Any  # fp32 [N, H]
     grad_norm_weight: Any  # fp32 [H]
-
-
-def partial_stride(streams: int, hidden: int) -> int:
-    """Floats in one block's weight-gradient partials: dR [N*H] | dw [H] | dP [N^3] | dQ [N^2].
-    A multiple of 4 (H is a multiple of 8, N^2 (N + 1) one of 4): pc_reduce_partials reads float4."""
-    return (streams + 1) * hidden + streams**3 + streams**2
-
-
-def token_stats_size(streams: int) -> int:
-    """Floats per token in v1's scratch (TokenStats<N>::size in the .cu)."""
-    return 2 + 6 * streams + 2 * streams * streams
 
 
 def v2_launch_shape(streams: int, hidden: int) -> tuple[int, bool, int]:
@@ -155,11 +124,11 @@ def _occupancy(kernel, threads: int, shared: int, cap: int, carveout_shared: boo
 def v3_launch_shape(hidden: int) -> tuple[int, int, int]:
     """(slices per thread, min blocks per SM, threads per block) of the v3 kernel."""
     slices = hidden // 8
-    if slices <= 320:
+    if slices <= V3_TWO_BLOCK_THREADS:
         return 1, 2, max(32, -(-slices // 32) * 32)
-    if slices <= 512:
+    if slices <= V3_ONE_BLOCK_THREADS:
         return 1, 1, -(-slices // 32) * 32
-    if slices <= 1024:
+    if slices <= 2 * V3_ONE_BLOCK_THREADS:
         return 2, 1, -(-(-(-slices // 2)) // 32) * 32
     raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
 
@@ -275,7 +244,7 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     g = args[0]
     streams, batch, seq, hidden = g.shape
     if version is None:
-        version = 4 if v4_supported(streams, hidden) else 3
+        version = 4 if v4_supported(streams, hidden) and V4_SOURCE.supports(compute_capability(device)) else 3
     elif version == 4:
         v4_launch_plan(streams, hidden)  # a clear error where v4 does not apply
     tokens = batch * seq
@@ -309,8 +278,8 @@ def _ptr(arg) -> numpy.uint64:
 def _reduce(partials, blocks: int, streams: int, hidden: int, outs, stream) -> None:
     _, _, grad_P, grad_Q, grad_R, grad_w = outs
     columns = partial_stride(streams, hidden) // 4  # float4 columns, 32 per block
-    SOURCE.kernel(f"pc_reduce_partials<{streams}>")(
-        (-(-columns // 32),), (1024,),
+    REDUCE_SOURCE.kernel(f"predict_correct_backward_reduce<{streams}>")(
+        (-(-columns // 32),), (REDUCE_THREADS,),
         (_ptr(partials), numpy.int32(blocks), numpy.int32(hidden), _ptr(grad_R), _ptr(grad_w),
          _ptr(grad_P), _ptr(grad_Q)),
         stream=stream,
@@ -323,7 +292,7 @@ def _launch_v2(args, outs, a, eps, framework, device, stream) -> None:
     streams, batch, seq, hidden = g.shape
     tokens = batch * seq
     per_thread, resident, threads = v2_launch_shape(streams, hidden)
-    kernel = SOURCE.kernel(f"pc_v2_fused<{streams}, {a}, {per_thread}, {'true' if resident else 'false'}>")
+    kernel = V2_SOURCE.kernel(f"predict_correct_backward_v2<{streams}, {a}, {per_thread}, {'true' if resident else 'false'}>")
     shared = v2_shared_bytes(streams, per_thread, resident, threads)
     blocks = min(tokens, _sm_count(device) * _occupancy(kernel, threads, shared, cap=2))
     partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
@@ -342,7 +311,7 @@ def _launch_v3(args, outs, a, eps, framework, device, stream) -> None:
     streams, batch, seq, hidden = g.shape
     tokens = batch * seq
     per_thread, min_blocks, threads = v3_launch_shape(hidden)
-    kernel = SOURCE.kernel(f"pc_v3_fused<{streams}, {a}, {per_thread}, {min_blocks}>")
+    kernel = V3_SOURCE.kernel(f"predict_correct_backward_v3<{streams}, {a}, {per_thread}, {min_blocks}>")
     shared = v3_shared_bytes(streams, per_thread, threads)
     blocks = min(tokens, _sm_count(device) * _occupancy(kernel, threads, shared, cap=8))
     partials = _arrays.empty(framework, g, (blocks * partial_stride(streams, hidden),), F32)
@@ -360,7 +329,7 @@ def _launch_v4(args, outs, a, eps, framework, device, stream) -> None:
     grad_hs, grad_act = outs[0], outs[1]
     streams, batch, seq, hidden = g.shape
     tokens = batch * seq
-    kernel = SOURCE.kernel(f"pc_v4_fused<{streams}, {a}>")
+    kernel = V4_SOURCE.kernel(f"predict_correct_backward_v4<{streams}, {a}>")
     stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, _v4_stages_override)
     shared = v4_shared_bytes(streams, hidden, stages)
     threads = v4_threads(hidden)
@@ -383,7 +352,7 @@ def _launch_v1(args, outs, a, eps, framework, stream) -> None:
     tokens = batch * seq
     slices = hidden // 8
     n, M, H, A = streams, numpy.int64(tokens), numpy.int32(hidden), numpy.int32(a)
-    k = lambda stage: SOURCE.kernel(f"pc_v1_{stage}<{n}>")  # noqa: E731
+    k = lambda stage: V1_SOURCE.kernel(f"predict_correct_backward_v1_{stage}<{n}>")  # noqa: E731
     stats = _arrays.empty(framework, g, (tokens * token_stats_size(n),), F32)
     gx_p = _arrays.empty(framework, g, (tokens * hidden,), F32)
     gx_c = _arrays.empty(framework, g, (tokens * hidden,), F32)
