@@ -1,16 +1,17 @@
-"""Host side of the AltUp predict-correct backward (SPEC.md section 2).
+"""Host side of the AltUp predict-correct backward (SPEC.md section 2); kernels in kernels/.
 
-Default: v4 where it applies (H <= 2560: one slice per thread and its shared-memory ring fit), otherwise v3.
-v4: `predict_correct_backward_v4` (Hopper only): v3's arithmetic with each token's rows streamed into a ring of shared-memory
-stages by the bulk-copy engine (cp.async.bulk completing on an mbarrier), two tokens ahead of the
-compute, and the per-token scalar phase on a dedicated warp one token behind the compute warps;
-one block per SM; the same partials and reduction as v3.
-v3: `predict_correct_backward_v3` (kernels/predict_correct_backward_v3.cu): one pass over memory on a persistent grid
-(two blocks per SM for H <= 2560; block b handles tokens b, b + G, ...) with ONE block reduction
-per token, writing per-block partials of the weight gradients that `predict_correct_backward_reduce` sums in
-a fixed order (bitwise deterministic).
-v2: `predict_correct_backward_v2`, the first fused version: three reduction rounds per token, rows staged by
-cp.async (resident) when one slice per thread covers H, re-read otherwise.
+Default: v4 where it applies (a Hopper GPU, and H <= 2560: one slice per thread and its
+shared-memory ring fit), otherwise v3.
+v4: `predict_correct_backward_v4` (sm_90 only): v3's arithmetic with each token's rows streamed
+into a ring of shared-memory stages by the bulk-copy engine (cp.async.bulk completing on an
+mbarrier), two tokens ahead of the compute, and the per-token scalar phase on a dedicated warp one
+token behind the compute warps; one block per SM; the same partials and reduction as v3.
+v3: `predict_correct_backward_v3`: one pass over memory on a persistent grid (two blocks per SM
+for H <= 2560; block b handles tokens b, b + G, ...) with ONE block reduction per token, writing
+per-block partials of the weight gradients that `predict_correct_backward_reduce` sums in a fixed
+order (bitwise deterministic).
+v2: `predict_correct_backward_v2`, the first fused version: three reduction rounds per token, rows
+staged by cp.async (resident) when one slice per thread covers H, re-read otherwise.
 v1 (teaching): one small kernel per derivation stage with intermediates in global scratch.
 """
 
@@ -37,7 +38,7 @@ from ._sources import V2_RESIDENT_THREADS as RESIDENT_THREADS, V3_ONE_BLOCK_THRE
 from ._sources import partial_stride, token_stats_size
 
 VERSIONS = (1, 2, 3, 4)
-DEFAULT_VERSION = None  # v4 where it applies (v4_supported: H <= 2560), else v3
+DEFAULT_VERSION = None  # v4 where it applies (sm_90 and v4_supported: H <= 2560), else v3
 MAX_HIDDEN = 8192  # v2: 4 slices of 8 per thread x 256 threads; v3: 2 x 512
 # v4: one slice per compute thread plus the scalar warp, at most V4_MAX_THREADS (H <= 2560);
 # V4_MIN_STAGES to V4_MAX_STAGES ring stages.
@@ -231,7 +232,7 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     norm_weight bf16 [H]; N in {2, 3, 4}, H divisible by 8 and at most 8192.
     Returns `PredictCorrectGrads` of the caller's array type: bf16 activation gradients and fp32
     weight gradients, computed on the caller's current stream. Inputs are not modified.
-    version None (default): 4 where it applies (H <= 2560), else 3. Version 4: fused single pass
+    version None (default): 4 where it applies (sm_90, H <= 2560), else 3. Version 4: fused single pass
     with the rows streamed through a shared-memory ring by the bulk-copy engine; 3: fused single
     pass, one block reduction per token; 2: fused, three reduction rounds per token; 1:
     step-by-step kernels.

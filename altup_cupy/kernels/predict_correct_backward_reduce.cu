@@ -1,7 +1,7 @@
 // predict_correct_backward_reduce.cu: the fixed-order sum of the backward's per-block
 // weight-gradient partials (docs/SPEC.md section 2), shared by every version.
 //
-// Versions (one line each on what changed):
+// What this version changed:
 //   reduce: 32 warps each sum every 32nd block's float4 columns in four interleaved chains, then
 //           warp 0 adds the 32 warp sums in a fixed order (bitwise deterministic, no atomics).
 #include "common.cuh"

@@ -13,14 +13,13 @@
 //             dR += gz (x) xn, dw += gxn * x*r / H, dP[N*i+j][l] += dC_ij m_p_l, dQ[i][l] += gk_i m_c_l.
 // The other versions (predict_correct_backward_v2/v3/v4.cu) use this notation.
 //
-// Versions (one line each on what changed):
+// What this version changed:
 //   v1: one small kernel per derivation stage, intermediates in global scratch, any H, readable.
 #include "common.cuh"
 #include "weight_grad_partials.cuh"
 
 __device__ __forceinline__ void load_row8(const uint4* p, float (&v)[kVec]) { unpack_bf16x8(__ldg(p), v); }
 
-//
 // Per-token scratch `stats` [M, TokenStats<N>::size] fp32 holds the per-token scalars of every
 // stage; the two router-backward row terms gx_p, gx_c go to fp32 scratch rows [M, H].
 template <int N>

@@ -1,7 +1,7 @@
 // predict_correct_backward_v2.cu: the backward of AltUp's predict + correct step (docs/SPEC.md
 // section 2) in one fused pass; notation of predict_correct_backward_v1.cu.
 //
-// Versions (one line each on what changed):
+// What this version changed:
 //   v2: one pass: a persistent block keeps its token's 2N+1 rows in registers (prefetching the
 //       next token's), merges the per-token reductions into 3 block-reduction rounds, writes the
 //       activation gradients once with 16-byte stores and keeps per-block weight-gradient partials
@@ -19,7 +19,6 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-//
 // Grid: a persistent grid of G blocks; block b handles tokens b, b+G, b+2G, ... Thread x owns the
 // 8-element slices x, x + blockDim.x, ..., x + (SLICES-1) * blockDim.x of every row.
 // RESIDENT: the token's 2N+1 rows live in registers as packed bf16 (and the next token's rows are

@@ -2,7 +2,7 @@
 // section 2) in one pass with one block reduction per token; notation of
 // predict_correct_backward_v1.cu.
 //
-// Versions (one line each on what changed):
+// What this version changed:
 //   v3: one block reduction per token instead of three: every reduction v2 does in rounds 2 and 3
 //       is a linear combination of dot products of the raw rows (<g_i, h_j>, <g_i, act>, ...), so
 //       one round computes them all (a spread butterfly: V - 1 shuffles for V values); rows read
@@ -11,7 +11,6 @@
 #include "weight_grad_partials.cuh"
 #include "slice_pass.cuh"
 
-//
 // Every per-token reduction of v2's three rounds is a linear combination of dot products of the
 // raw rows, which one round can produce together:
 //   ss_a = <h_a, h_a>, ss_c = <act, act>, Ap_n = sum_d R[n,d] w_d h_a[d], Ac_n = (same, act),

@@ -2,7 +2,7 @@
 // section 2), v3's arithmetic fed by Hopper's bulk-copy engine (sm_90 only); notation of
 // predict_correct_backward_v1.cu.
 //
-// Versions (one line each on what changed):
+// What this version changed:
 //   v4: v3's arithmetic with the rows streamed into a ring of shared-memory stages by the bulk-copy
 //       engine (cp.async.bulk + mbarrier), two tokens ahead, and the scalar phase on a dedicated
 //       warp one token behind the compute warps: one barrier per token, no warp idle behind warp 0.
@@ -11,7 +11,6 @@
 #include "slice_pass.cuh"
 #include "hopper_bulk_copy.cuh"
 
-//
 // Measured on v3 (results/h200/NOTES.md): at one or two blocks per SM the SM issues an
 // instruction only every ~3 cycles per scheduler, and about half of the warps' stall time is at
 // the block barrier while warp 0 alone turns the token's totals into coefficients. v4 keeps v3's
