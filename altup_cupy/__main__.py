@@ -59,23 +59,15 @@ def cmd_bench(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from ._build import compile_offline
-    from .collapse import SOURCE as COLLAPSE_SOURCE
-    from .predict_correct import SOURCE as BACKWARD_SOURCE
-
-    failed = 0
     usable, why = gpu_status()
     if not usable:
-        print(f"No GPU: {why}. Checking what needs none: every kernel source compiles for sm_90.")
-        for source in (COLLAPSE_SOURCE, BACKWARD_SOURCE):
-            build = compile_offline(source)
-            for k in build.kernels:
-                bad = k.spill_store_bytes or k.spill_load_bytes or k.stack_frame_bytes
-                failed += bool(bad)
-                print(f"{'FAIL' if bad else 'ok  '} {source.filename:24s} {k.registers:4d} regs  "
-                      f"stack {k.stack_frame_bytes} B  spills {k.spill_store_bytes}/{k.spill_load_bytes} B  {k.name}")
-        return 1 if failed else 0
+        from ._build import CHECK_ARCHS, check_all
 
+        print(f"No GPU: {why}. Checking what needs none: every kernel source compiles for "
+              f"{', '.join(CHECK_ARCHS)} with no spills and no stack frame.")
+        return check_all()
+
+    failed = 0
     from .benchmarks import op_bench
     from .check import verify
     from .workloads import workloads
@@ -121,7 +113,8 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("check", help="verify the kernels against float64 on fresh random inputs (on a "
-                                     "GPU); without one, compile every kernel for sm_90 and report spills")
+                                     "GPU); without one, compile every kernel for sm_80, sm_86, sm_89 and "
+                                     "sm_90 and report spills")
     p.add_argument("--op", choices=(*OPS, "all"), default="all")
     p.add_argument("--suite", choices=(*SUITES, "all"), default="benchmark")
     p.add_argument("--rounds", type=int, default=1, help="fresh input draws per workload")

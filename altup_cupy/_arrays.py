@@ -51,21 +51,29 @@ def _dims(names: str) -> str:
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int | None],
                  dims: str) -> None:
     """dtype, rank, extents (None: any) and contiguity of one tensor. `dims` names the axes
-    ("N B S H"), so a wrong rank says which layout was expected."""
+    ("N B S H"), so a wrong rank says which layout was expected. The common case (all fine, no
+    wildcard) costs two comparisons; the messages are built only on failure."""
     if t.dtype != dtype:
         raise TypeError(f"{name} must have dtype {str(dtype).removeprefix('torch.')}, "
                         f"got {str(t.dtype).removeprefix('torch.')}")
-    if t.dim() != len(shape):
-        raise ValueError(f"{name} must be a {len(shape)}-D tensor {_dims(dims)}, got a {t.dim()}-D "
-                         f"tensor of shape {list(t.shape)}")
-    if any(e is not None and e != a for e, a in zip(shape, t.shape)):
-        expected = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
-        raise ValueError(f"{name} must have shape {expected} ({_dims(dims)}), got {list(t.shape)}")
+    if None in shape:
+        if t.dim() != len(shape):
+            _shape_error(name, t, shape, dims)
+    elif t.shape != shape:
+        _shape_error(name, t, shape, dims)
     if not t.is_contiguous():
         raise ValueError(
             f"{name} must be C-contiguous (a non-contiguous view would be read wrongly); "
             "pass x.contiguous() (torch) or cupy.ascontiguousarray(x)"
         )
+
+
+def _shape_error(name: str, t: torch.Tensor, shape: Sequence[int | None], dims: str):
+    if t.dim() != len(shape):
+        raise ValueError(f"{name} must be a {len(shape)}-D tensor {_dims(dims)}, got a {t.dim()}-D "
+                         f"tensor of shape {list(t.shape)}")
+    expected = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+    raise ValueError(f"{name} must have shape {expected} ({_dims(dims)}), got {list(t.shape)}")
 
 
 def check_devices(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:

@@ -1,67 +1,159 @@
-"""Loading the package's CUDA sources.
+"""Compiling the package's CUDA sources (altup_cupy/kernels/), on a GPU and without one.
 
-Every `.cu` file next to this module is one `KernelSource`. On a GPU it becomes one
-`cupy.RawModule`, compiled by NVRTC on first use and cached by CuPy (in memory and on disk).
-Without a GPU the same text, with the same options and template instantiations, can be compiled
-for sm_90 through `cuda.bindings.nvrtc` (pip: cuda-bindings + nvidia-cuda-nvrtc); the tests use
-that to show that every kernel builds with no spills and no stack frame.
+A `KernelSource` is one `.cu` file, the template instantiations the host launches from it, the
+oldest architecture it runs on and the -D defines it is compiled with (altup_cupy/_sources.py
+lists them all). Its text is the file with every `#include "x.cuh"` replaced by that header's
+text (recursively, each header once), so NVRTC needs no include path and no CUDA toolkit.
 
-The sources include no headers (bf16 conversions are written out in `common.cuh`, which is
-pasted in front of each source), so neither path needs a CUDA toolkit's include directory.
+- On a GPU, `KernelSource.kernel(name)` compiles the source once per device with NVRTC through
+  `cupy.RawModule` for the device's own architecture (cached by CuPy in memory and on disk), and
+  refuses a device older than the source's `min_arch`.
+- Without a GPU, `compile_offline(source, arch)` compiles the same text with the same options for
+  any architecture through `cuda.bindings.nvrtc` (pip: cuda-bindings + nvidia-cuda-nvrtc) and
+  reads ptxas' report; `check_all()` (`python -m altup_cupy check` without a GPU) does it for
+  every source and every architecture from sm_80 in parallel and prints one table.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import tempfile
 import threading
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
-SOURCE_DIR = Path(__file__).resolve().parent
-COMMON_HEADER = "common.cuh"
-# Hopper. Plain sm_90: these kernels use no wgmma/setmaxnreg, so they need no sm_90a.
-ARCH = "sm_90"
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 # No --use_fast_math: tanh, rsqrt and division keep their IEEE-accurate fp32 versions.
 NVRTC_OPTIONS = ("-std=c++17",)
+# Every define reaches the kernels under this prefix, so a source's own names cannot collide.
+DEFINE_PREFIX = "ALTUP_"
+# The architectures `check_all` compiles for: Ampere (A100; RTX 30), Ampere GA10x (A10, A40),
+# Ada (L4, L40S; RTX 40), Hopper (H100, H200).
+CHECK_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+ARCHS_WITH_FEATURES = {"sm_90a": 90}  # sm_90a: Hopper with wgmma / setmaxnreg
+_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def arch_number(arch: str) -> int:
+    """'sm_86' -> 86, 'sm_90a' -> 90."""
+    match = re.fullmatch(r"sm_(\d+)a?", arch)
+    if match is None:
+        raise ValueError(f"arch must look like 'sm_90' or 'sm_90a', got {arch!r}")
+    return int(match.group(1))
 
 
 @dataclass
 class KernelSource:
-    """One `.cu` file and the template instantiations the host code launches from it."""
+    """One `.cu` file of altup_cupy/kernels/ and how to build it.
+
+    name_expressions: the template instantiations the host launches; min_arch: the oldest
+    compute capability it runs on (80 or 90, as an int: 90 = 9.0); defines: NAME -> int, given to
+    the compiler as -DALTUP_NAME=value; needs_sm90a: compile for sm_90a (wgmma and other
+    architecture-specific Hopper features) instead of plain sm_90.
+    """
 
     filename: str
     name_expressions: tuple[str, ...]
+    min_arch: int = 80
+    defines: Mapping[str, int] = field(default_factory=dict)
+    needs_sm90a: bool = False
     _modules: dict = field(default_factory=dict, repr=False)
     _functions: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def __post_init__(self):
+        if self.min_arch not in (80, 90):
+            raise ValueError(f"{self.filename}: min_arch must be 80 or 90, got {self.min_arch!r}")
+        if self.needs_sm90a and self.min_arch != 90:
+            raise ValueError(f"{self.filename}: a source that needs sm_90a must have min_arch 90")
+        for name, value in self.defines.items():
+            if not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or type(value) is not int:
+                raise ValueError(f"{self.filename}: define {name!r} = {value!r} must be an UPPER_CASE name "
+                                 f"and an int")
+
+    def supports(self, compute_capability: int) -> bool:
+        """Whether this source may be compiled for and launched on a device of this compute
+        capability (an int: 86 for 8.6)."""
+        return compute_capability >= self.min_arch
+
     def code(self) -> str:
-        common = (SOURCE_DIR / COMMON_HEADER).read_text()
-        body = (SOURCE_DIR / self.filename).read_text()
-        # The header is pasted, not #included, so NVRTC needs no include path.
-        body = body.replace(f'#include "{COMMON_HEADER}"', f"// ---- {COMMON_HEADER} ----\n{common}")
-        return body
+        """The text NVRTC compiles: the file with its headers pasted in."""
+        return _paste_includes(KERNELS_DIR / self.filename, set())
+
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options other than the architecture: the language standard and the defines."""
+        return NVRTC_OPTIONS + tuple(f"-D{DEFINE_PREFIX}{name}={value}" for name, value in self.defines.items())
+
+    def target_arch(self, compute_capability: int) -> str:
+        """The architecture to compile for on a device of this compute capability."""
+        if not self.supports(compute_capability):
+            raise RuntimeError(f"{self.filename} needs compute capability {self.min_arch // 10}."
+                               f"{self.min_arch % 10} or newer, not {compute_capability // 10}."
+                               f"{compute_capability % 10}")
+        return "sm_90a" if self.needs_sm90a else f"sm_{compute_capability}"
 
     def kernel(self, name_expression: str):
         """The compiled kernel for `name_expression` on the current CuPy device."""
         import cupy
 
-        key = (cupy.cuda.runtime.getDevice(), name_expression)
+        device = cupy.cuda.runtime.getDevice()
+        key = (device, name_expression)
         function = self._functions.get(key)
         if function is None:
             if name_expression not in self.name_expressions:
                 raise KeyError(f"{name_expression!r} is not instantiated in {self.filename}")
             with self._lock:
-                module = self._modules.get(key[0])
+                module = self._modules.get(device)
                 if module is None:
-                    module = cupy.RawModule(
-                        code=self.code(),
-                        options=NVRTC_OPTIONS,
-                        name_expressions=list(self.name_expressions),
-                    )
-                    self._modules[key[0]] = module
+                    module = self._modules[device] = self._load(device)
                 function = self._functions[key] = module.get_function(name_expression)
         return function
+
+    def _load(self, device: int):
+        import cupy
+
+        from ._device import check_supported
+
+        arch = self.target_arch(check_supported(device))
+        if arch.endswith("a"):
+            # CuPy picks the plain architecture itself; an sm_90a cubin is built here and loaded.
+            build = compile_offline(self, arch)
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "module.cubin"
+                path.write_bytes(build.cubin)
+                module = cupy.RawModule(path=str(path))
+            return _NamedModule(module, build.lowered_names)
+        return cupy.RawModule(code=self.code(), options=self.options(),
+                              name_expressions=list(self.name_expressions))
+
+
+@dataclass(frozen=True)
+class _NamedModule:
+    """A module loaded from a cubin, looked up by name expression like a compiled RawModule."""
+
+    module: object
+    lowered_names: Mapping[str, str]
+
+    def get_function(self, name_expression: str):
+        return self.module.get_function(self.lowered_names[name_expression])
+
+
+def _paste_includes(path: Path, pasted: set[str]) -> str:
+    def include(match: re.Match) -> str:
+        name = match.group(1)
+        header = path.parent / name
+        if name in pasted:
+            return f"// ---- {name} (already pasted) ----"
+        if not header.is_file():
+            raise FileNotFoundError(f"{path.name} includes {name}, which is not in {path.parent}")
+        pasted.add(name)
+        return f"// ---- {name} ----\n{_paste_includes(header, pasted)}// ---- end of {name} ----"
+
+    return _INCLUDE.sub(include, path.read_text())
 
 
 @dataclass(frozen=True)
@@ -77,12 +169,18 @@ class KernelResources:
 
 @dataclass(frozen=True)
 class OfflineBuild:
-    """The result of compiling one source for sm_90 without a GPU."""
+    """The result of compiling one source for one architecture without a GPU."""
 
     filename: str
-    cubin_bytes: int
+    arch: str
+    cubin: bytes
     kernels: tuple[KernelResources, ...]
+    lowered_names: Mapping[str, str]  # name expression -> mangled kernel name
     log: str
+
+    @property
+    def cubin_bytes(self) -> int:
+        return len(self.cubin)
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -111,14 +209,21 @@ def parse_ptxas_log(log: str) -> tuple[KernelResources, ...]:
     return tuple(kernels)
 
 
-def compile_offline(source: KernelSource, arch: str = ARCH) -> OfflineBuild:
-    """Compile `source` to a cubin with NVRTC from pip; needs no GPU and no driver."""
+def compile_offline(source: KernelSource, arch: str) -> OfflineBuild:
+    """Compile `source` for `arch` ('sm_80', 'sm_90a', ...) to a cubin with NVRTC from pip; needs
+    no GPU and no driver. An architecture the source does not support raises ValueError."""
     from cuda.bindings import nvrtc
+
+    number = arch_number(arch)
+    if not source.supports(number):
+        raise ValueError(f"{source.filename} needs sm_{source.min_arch} or newer, got arch={arch!r}")
+    if source.needs_sm90a and arch != "sm_90a":
+        raise ValueError(f"{source.filename} needs the sm_90a target, got arch={arch!r}")
 
     def check(result, what):
         status = result[0] if isinstance(result, tuple) else result
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC {what} failed for {source.filename}: {status}")
+            raise RuntimeError(f"NVRTC {what} failed for {source.filename} ({arch}): {status}")
         return result[1:] if isinstance(result, tuple) else ()
 
     (program,) = check(
@@ -129,15 +234,91 @@ def compile_offline(source: KernelSource, arch: str = ARCH) -> OfflineBuild:
         for expression in source.name_expressions:
             check(nvrtc.nvrtcAddNameExpression(program, expression.encode()), "add name")
         options = [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]
-        options += [o.encode() for o in NVRTC_OPTIONS]
+        options += [o.encode() for o in source.options()]
         compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)
         (log_size,) = check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
         log = b" " * log_size
         check(nvrtc.nvrtcGetProgramLog(program, log), "log")
         log_text = log.decode(errors="replace").rstrip("\x00 ")
         if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC could not compile {source.filename}:\n{log_text}")
+            raise RuntimeError(f"NVRTC could not compile {source.filename} for {arch}:\n{log_text}")
         (cubin_size,) = check(nvrtc.nvrtcGetCUBINSize(program), "cubin size")
-        return OfflineBuild(source.filename, cubin_size, parse_ptxas_log(log_text), log_text)
+        cubin = b" " * cubin_size
+        check(nvrtc.nvrtcGetCUBIN(program, cubin), "cubin")
+        lowered = {}
+        for expression in source.name_expressions:
+            (name,) = check(nvrtc.nvrtcGetLoweredName(program, expression.encode()), "lowered name")
+            lowered[expression] = name.decode()
+        return OfflineBuild(source.filename, arch, bytes(cubin), parse_ptxas_log(log_text), lowered, log_text)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
+
+
+def offline_targets(sources, archs=CHECK_ARCHS) -> list[tuple[KernelSource, str]]:
+    """(source, arch) for every source and every architecture of `archs` it supports; a source
+    that needs sm_90a is compiled for sm_90a in place of sm_90."""
+    targets = []
+    for arch in archs:
+        for source in sources:
+            if source.supports(arch_number(arch)):
+                targets.append((source, "sm_90a" if source.needs_sm90a else arch))
+    return targets
+
+
+def demangle(names: list[str]) -> list[str]:
+    """C++ names as written ('collapse_epilogue_v1<3,2>'), through c++filt when it is installed."""
+    tool = shutil.which("c++filt")
+    if tool is None:
+        return list(names)
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True)
+    return [re.sub(r"\s+", "", re.sub(r"^\s*void\s+", "", line.split("(", 1)[0]))
+            for line in out.stdout.splitlines()]
+
+
+def _compile_by_name(filename: str, arch: str) -> OfflineBuild:
+    """compile_offline for a worker process (KernelSource holds a lock: it does not pickle)."""
+    from ._sources import ALL_SOURCES
+
+    return compile_offline(next(s for s in ALL_SOURCES if s.filename == filename), arch)
+
+
+def compile_all(targets: list[tuple[KernelSource, str]], workers: int = 2):
+    """The futures of compile_offline for every (source, arch), in a pool of `workers` processes
+    (one NVRTC compile per core). The caller shuts the returned pool down."""
+    pool = ProcessPoolExecutor(max_workers=workers)
+    return pool, [pool.submit(_compile_by_name, source.filename, arch) for source, arch in targets]
+
+
+def check_all(archs=CHECK_ARCHS, workers: int = 2) -> int:
+    """Compile every source for every architecture it supports, print one table (architecture,
+    source, kernel, registers, spills, stack) and return 0 if everything compiled with no spills
+    and no stack frame, else 1."""
+    from ._sources import ALL_SOURCES
+
+    targets = offline_targets(ALL_SOURCES, archs)
+    print(f"Compiling {len(targets)} (source, architecture) pairs with NVRTC, {workers} at a time ...",
+          flush=True)
+    pool, futures = compile_all(targets, workers)
+    rows, failures = [], []
+    with pool:
+        for (source, arch), future in zip(targets, futures):
+            try:
+                build = future.result()
+            except Exception as error:  # a compile error: reported in the table's place
+                failures.append(f"{arch} {source.filename}: {error}")
+                continue
+            for kernel, name in zip(build.kernels, demangle([k.name for k in build.kernels])):
+                spills = kernel.spill_store_bytes + kernel.spill_load_bytes
+                rows.append((arch, source.filename, name, str(kernel.registers), str(spills),
+                             str(kernel.stack_frame_bytes)))
+    header = ("architecture", "source", "kernel", "registers", "spills B", "stack B")
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for i, row in enumerate((header, *rows)):
+        print("  ".join(c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    bad = [r for r in rows if r[4] != "0" or r[5] != "0"]
+    for failure in failures:
+        print(f"FAILED to compile: {failure}")
+    print(f"{len(rows)} kernels, {len(bad)} with spills or a stack frame, {len(failures)} compile failures")
+    return 1 if bad or failures else 0

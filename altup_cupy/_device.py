@@ -1,4 +1,4 @@
-"""What the host needs to know of a CUDA device, asked once per device."""
+"""What the host needs to know of a CUDA device: asked once per device, through torch."""
 
 from __future__ import annotations
 
@@ -27,15 +27,20 @@ def gpu_status() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def facts(index: int) -> tuple[int, str]:
-    """(compute capability as 10 * major + minor, device name); a named error below 8.0."""
+    """(compute capability as 10 * major + minor, device name); a RuntimeError naming the device
+    below 8.0, which no kernel of this package supports."""
     major, minor = torch.cuda.get_device_capability(index)
     name = torch.cuda.get_device_name(index)
-    capability = 10 * major + minor
-    if capability < MIN_COMPUTE_CAPABILITY:
+    if 10 * major + minor < MIN_COMPUTE_CAPABILITY:
         raise RuntimeError(
-            f"altup_cupy needs a GPU of compute capability {MIN_COMPUTE_CAPABILITY / 10:.1f} or newer; "
-            f"cuda:{index} ({name}) has {major}.{minor}")
-    return capability, name
+            f"CUDA device {index} ({name}) has compute capability {major}.{minor}; altup_cupy's "
+            "kernels need 8.0 or newer (Ampere, Ada, Hopper or later)")
+    return 10 * major + minor, name
+
+
+def check_supported(index: int) -> int:
+    """The compute capability of device `index` (90 for 9.0), or the named error of `facts`."""
+    return facts(index)[0]
 
 
 def on(device: torch.device):

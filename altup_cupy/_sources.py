@@ -1,11 +1,131 @@
-# TEMPORARY stub until the kernels branch lands (replaced by its _sources.py).
+"""The package's CUDA sources, in one list, and the launch constants the host and the kernels share.
+
+Each constant below is defined here only: the kernels receive it as an `ALTUP_<NAME>` -D define
+(see `defines` of each source), the host modules import it from here. Layout sizes that the
+kernels derive themselves (TokenStats<N>::size, partial_stride) are passed in the same way and
+checked by a `static_assert` in the kernel source, so a drift between host and device fails to
+compile. tests/test_sources.py checks that every define a source uses is given to it.
+"""
+
+from __future__ import annotations
+
 from ._build import KernelSource
+
 SUPPORTED_STREAMS = (2, 3, 4)
-COLLAPSE_CHUNK_CHOICES = (1, 2, 4)
-def collapse_max_threads(n, chunks):
-    return 1024 if n * chunks <= 4 else 512 if n * chunks <= 8 else 256
-COLLAPSE_V1 = KernelSource("collapse.cu", tuple(f"collapse_epilogue_v1<{n}, {c}>" for n in SUPPORTED_STREAMS for c in COLLAPSE_CHUNK_CHOICES))
-object.__setattr__(COLLAPSE_V1, "min_arch", 80) if False else setattr(COLLAPSE_V1, "min_arch", 80)
-MAX_HIDDEN = 8192
-PREDICT_CORRECT_BACKWARD_REDUCE = PREDICT_CORRECT_BACKWARD_V1 = PREDICT_CORRECT_BACKWARD_V2 = PREDICT_CORRECT_BACKWARD_V3 = PREDICT_CORRECT_BACKWARD_V4 = COLLAPSE_V1
-V4_STATIC_SHARED_BOUND = 6 * 1024; V4_MIN_STAGES=3; V4_MAX_STAGES=6; V4_MAX_THREADS=352
+
+# ---- collapse -----------------------------------------------------------------------------------
+
+COLLAPSE_CHUNK_CHOICES = (1, 2, 4)  # 16-byte slices of the row per thread and sweep
+# (most slices N * CHUNKS a thread holds, threads per block): a thread's share of the 65536
+# registers of an SM must hold them. The last tier covers every instantiation (4 * 4 slices).
+COLLAPSE_LAUNCH_BOUNDS = ((4, 1024), (8, 512), (16, 256))
+
+
+def collapse_max_threads(streams: int, chunks: int) -> int:
+    """The `__launch_bounds__` of collapse_epilogue_v1<streams, chunks>."""
+    return next(threads for most, threads in COLLAPSE_LAUNCH_BOUNDS if streams * chunks <= most)
+
+
+# ---- predict-correct backward -------------------------------------------------------------------
+
+REDUCE_THREADS = 1024  # predict_correct_backward_reduce: 32 warps over 32 float4 columns
+V1_THREADS = 256
+V1_STAGES = ("forward_stats", "correction_grads", "correct_router_bwd", "prediction_grads",
+             "predict_router_bwd", "elementwise", "weight_grads", "coef_grads")
+# v2: threads of the resident kernel (rows staged on chip, one slice per thread) per N; the
+# non-resident kernel takes NONRESIDENT_SLICES slices per thread on at most NONRESIDENT_THREADS.
+V2_RESIDENT_THREADS = {2: 320, 3: 320, 4: 256}
+V2_NONRESIDENT_THREADS = 256
+NONRESIDENT_SLICES = (2, 4)
+# v3 instantiations: (slices per thread, min blocks per SM), and the launch bounds of each
+# occupancy: two blocks per SM (H <= 2560), one block.
+V3_VARIANTS = ((1, 2), (1, 1), (2, 1))
+V3_TWO_BLOCK_THREADS = 320
+V3_ONE_BLOCK_THREADS = 512
+# v4: one slice per compute thread plus the scalar warp (H <= 2560), at most V4_MAX_STAGES ring
+# stages; V4_STATIC_SHARED_BOUND bounds its static shared memory (V4Shared<N> and the stage
+# barriers: 5.1 KiB for N = 4) so the host can decide without a GPU whether a ring fits.
+V4_MAX_THREADS = 352
+V4_MAX_STAGES = 6
+V4_STATIC_SHARED_BOUND = 6 * 1024
+
+
+def token_stats_size(streams: int) -> int:
+    """Floats per token in v1's scratch (TokenStats<N>::size)."""
+    return 2 + 6 * streams + 2 * streams * streams
+
+
+def partial_stride(streams: int, hidden: int) -> int:
+    """Floats in one block's weight-gradient partials: dR [N*H] | dw [H] | dP [N^3] | dQ [N^2].
+    A multiple of 4 (H is a multiple of 8, N^2 (N + 1) one of 4): the reduction reads float4."""
+    return (streams + 1) * hidden + streams**3 + streams**2
+
+
+def _per_stream(name: str, value) -> dict[str, int]:
+    return {f"{name}_{n}": value(n) for n in SUPPORTED_STREAMS}
+
+
+_PARTIALS = _per_stream("PARTIAL_COEF_FLOATS", lambda n: partial_stride(n, 0))
+_COLLAPSE = {}
+for _tier, (_most, _threads) in enumerate(COLLAPSE_LAUNCH_BOUNDS):
+    _COLLAPSE[f"COLLAPSE_SLICES_{_tier}"] = _most
+    _COLLAPSE[f"COLLAPSE_THREADS_{_tier}"] = _threads
+
+
+COLLAPSE_V1 = KernelSource(
+    "collapse_v1.cu",
+    tuple(f"collapse_epilogue_v1<{n}, {c}>" for n in SUPPORTED_STREAMS for c in COLLAPSE_CHUNK_CHOICES),
+    min_arch=80,
+    defines=_COLLAPSE,
+)
+
+PREDICT_CORRECT_BACKWARD_REDUCE = KernelSource(
+    "predict_correct_backward_reduce.cu",
+    tuple(f"predict_correct_backward_reduce<{n}>" for n in SUPPORTED_STREAMS),
+    min_arch=80,
+    defines={"REDUCE_THREADS": REDUCE_THREADS, **_PARTIALS},
+)
+
+PREDICT_CORRECT_BACKWARD_V1 = KernelSource(
+    "predict_correct_backward_v1.cu",
+    tuple(f"predict_correct_backward_v1_{stage}<{n}>" for n in SUPPORTED_STREAMS for stage in V1_STAGES),
+    min_arch=80,
+    defines={"V1_THREADS": V1_THREADS, **_PARTIALS, **_per_stream("TOKEN_STATS_SIZE", token_stats_size)},
+)
+
+PREDICT_CORRECT_BACKWARD_V2 = KernelSource(
+    "predict_correct_backward_v2.cu",
+    tuple(f"predict_correct_backward_v2<{n}, {a}, {slices}, {'true' if resident else 'false'}>"
+          for n in SUPPORTED_STREAMS for a in range(n)
+          for slices, resident in ((1, True), *((s, False) for s in NONRESIDENT_SLICES))),
+    min_arch=80,
+    defines={**_per_stream("V2_RESIDENT_THREADS", V2_RESIDENT_THREADS.__getitem__),
+             "V2_NONRESIDENT_THREADS": V2_NONRESIDENT_THREADS, **_PARTIALS},
+)
+
+PREDICT_CORRECT_BACKWARD_V3 = KernelSource(
+    "predict_correct_backward_v3.cu",
+    tuple(f"predict_correct_backward_v3<{n}, {a}, {slices}, {blocks}>"
+          for n in SUPPORTED_STREAMS for a in range(n) for slices, blocks in V3_VARIANTS),
+    min_arch=80,
+    defines={"V3_TWO_BLOCK_THREADS": V3_TWO_BLOCK_THREADS, "V3_ONE_BLOCK_THREADS": V3_ONE_BLOCK_THREADS,
+             **_PARTIALS},
+)
+
+# Hopper only: cp.async.bulk and mbarrier.
+PREDICT_CORRECT_BACKWARD_V4 = KernelSource(
+    "predict_correct_backward_v4.cu",
+    tuple(f"predict_correct_backward_v4<{n}, {a}>" for n in SUPPORTED_STREAMS for a in range(n)),
+    min_arch=90,
+    defines={"V4_MAX_THREADS": V4_MAX_THREADS, "V4_MAX_STAGES": V4_MAX_STAGES,
+             "V4_STATIC_SHARED_BOUND": V4_STATIC_SHARED_BOUND, **_PARTIALS},
+)
+
+ALL_SOURCES = (
+    COLLAPSE_V1,
+    PREDICT_CORRECT_BACKWARD_REDUCE,
+    PREDICT_CORRECT_BACKWARD_V1,
+    PREDICT_CORRECT_BACKWARD_V2,
+    PREDICT_CORRECT_BACKWARD_V3,
+    PREDICT_CORRECT_BACKWARD_V4,
+)

@@ -3,7 +3,7 @@
 - `mode()`: "gpu" when CuPy and torch both see a CUDA device, else "cpu" (the notebooks then
   replay the recorded CSVs); `ALTUP_NOTEBOOK_MODE=cpu` forces CPU mode, `=gpu` demands a GPU.
 - `kernel_source(filename, name)`: one kernel's source (with the comment block above it) read
-  from the package's .cu file, so a notebook shows the code it explains.
+  from the package's .cu/.cuh file in altup_cupy/kernels/, so a notebook shows the code it explains.
 - `recorded_rows(op, suite)`, `live_rows(op, workloads)`: the rows a table or figure is drawn from.
 """
 
@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from ._build import KERNELS_DIR
 from ._device import gpu_status
 from .bench import RESULTS_DIR, csv_path, read_csv
 from .figures import parse_rows
@@ -41,9 +42,9 @@ def mode(verbose: bool = True) -> str:
 
 
 def kernel_source(filename: str, name: str, comment: bool = True) -> str:
-    """The definition of kernel (or device function / struct) `name` in the package's `filename`,
+    """The definition of kernel (or device function / struct) `name` in kernels/`filename`,
     from its `template` line (and the `//` comment block just above, if `comment`) to its closing brace."""
-    text = (PACKAGE_DIR / filename).read_text()
+    text = (KERNELS_DIR / filename).read_text()
     lines = text.splitlines()
     pattern = re.compile(rf"\b{re.escape(name)}\s*\(")
     start = None
@@ -75,9 +76,9 @@ def kernel_source(filename: str, name: str, comment: bool = True) -> str:
 
 
 def file_header(filename: str) -> str:
-    """The leading comment block of a package source file."""
+    """The leading comment block of a kernel source file (kernels/`filename`)."""
     out = []
-    for line in (PACKAGE_DIR / filename).read_text().splitlines():
+    for line in (KERNELS_DIR / filename).read_text().splitlines():
         if not line.startswith("//"):
             break
         out.append(line)

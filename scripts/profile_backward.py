@@ -1,6 +1,6 @@
 """One call of the backward on one benchmark workload, for a profiler to wrap (Nsight Compute):
 
-    ncu --clock-control none --section SpeedOfLight -k regex:pc_ python3 scripts/profile_backward.py \
+    ncu --clock-control none --section SpeedOfLight -k regex:predict_correct_backward python3 scripts/profile_backward.py \
         --tokens 8192 --version 4
 
 Draws the benchmark's inputs for the first benchmark workload with that many tokens, runs the

@@ -80,10 +80,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
-# The marker to put on GPU tests; equivalent to pytest.mark.gpu (kept as a name for readability).
-requires_gpu = pytest.mark.gpu
-
-
 @pytest.fixture
 def seeds(request: pytest.FixtureRequest):
     """`seeds()` returns a fresh seed on each call; all are derived from the run's base seed and
@@ -108,7 +104,7 @@ _RESOURCES_KEY = pytest.StashKey[list]()
 
 @pytest.fixture
 def kernel_resources(request: pytest.FixtureRequest) -> list:
-    """A list that the compile tests append (filename, KernelResources) records to."""
+    """A list that the compile tests append (arch, filename, kernel name, KernelResources) records to."""
     return request.config.stash[_RESOURCES_KEY]
 
 
@@ -117,15 +113,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if not rows:
         return
     tr = terminalreporter
-    tr.section("kernel resources (NVRTC, sm_90, ptxas -v)")
-    header = ("source", "kernel", "regs", "stack B", "spill st B", "spill ld B")
+    tr.section("kernel resources (NVRTC, ptxas -v)")
+    header = ("arch", "source", "kernel", "regs", "stack B", "spill st B", "spill ld B")
     table = [header] + [
-        (src, k.name, str(k.registers), str(k.stack_frame_bytes), str(k.spill_store_bytes),
+        (arch, src, name, str(k.registers), str(k.stack_frame_bytes), str(k.spill_store_bytes),
          str(k.spill_load_bytes))
-        for src, k in rows
+        for arch, src, name, k in rows
     ]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for i, r in enumerate(table):
-        tr.write_line("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        tr.write_line("  ".join(c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
             tr.write_line("  ".join("-" * w for w in widths))

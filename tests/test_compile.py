@@ -1,10 +1,10 @@
-"""Every CUDA source of the package compiles for sm_90 with NVRTC from pip, without a GPU.
+"""Every CUDA source of the package compiles with NVRTC from pip, without a GPU, for every
+architecture it supports (sm_80, sm_86, sm_89, sm_90), with no spills and no stack frame.
 
-Discovery is generic: every module of `altup_cupy` is imported and its module-level
-`KernelSource` objects collected; every `.cu` file shipped in the package must belong to one of
-them. Each source is compiled exactly as the GPU path compiles it (same text, options and name
-expressions) and ptxas' report must show, for every requested instantiation, a kernel with no
-spill stores/loads and no stack frame. The register table is printed at the end of the run.
+One test per (source, architecture); the compiles run in a pool of two processes started by the
+first of them, so the tests mostly collect results. Each source is compiled exactly as the GPU
+path compiles it (same text, options, defines and name expressions). The register table is
+printed at the end of the run (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -12,119 +12,96 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 import altup_cupy
-from altup_cupy._build import ARCH, KernelSource, compile_offline
+from altup_cupy._build import KERNELS_DIR, KernelSource, compile_all, compile_offline, demangle, offline_targets
+from altup_cupy._sources import ALL_SOURCES, PREDICT_CORRECT_BACKWARD_V4
 
-PACKAGE_DIR = Path(altup_cupy.__file__).resolve().parent
-# The modules the issues name; they must exist and define at least one KernelSource each.
-REQUIRED_MODULES = ("altup_cupy.collapse", "altup_cupy.predict_correct")
-# Never imported for discovery: running it is the CLI.
-SKIPPED_MODULES = {"altup_cupy.__main__"}
+TARGETS = offline_targets(ALL_SOURCES)
+MAX_CU_LINES = 600
+# Instructions that exist from sm_90 on only: they must stay in sources whose min_arch is 90.
+HOPPER_ONLY = re.compile(r"\b(mbarrier|cp\.async\.bulk|fence\.mbarrier_init|wgmma|setmaxnreg)\b")
 
 
-def _all_module_names() -> list[str]:
-    names = [altup_cupy.__name__]
+@pytest.fixture(scope="session")
+def builds():
+    """{(filename, arch): future of its OfflineBuild}, all submitted at once to two processes."""
+    pool, futures = compile_all(TARGETS, workers=2)
+    yield {(source.filename, arch): future for (source, arch), future in zip(TARGETS, futures)}
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("filename, arch", [(s.filename, arch) for s, arch in TARGETS],
+                         ids=[f"{arch}-{s.filename}" for s, arch in TARGETS])
+def test_compiles_without_spills(filename, arch, builds, kernel_resources):
+    source = next(s for s in ALL_SOURCES if s.filename == filename)
+    build = builds[(filename, arch)].result()
+    assert build.cubin_bytes > 0, f"{filename} ({arch}): empty cubin"
+    kernels = list(build.kernels)
+    names = demangle([k.name for k in kernels])
+    for name, kernel in zip(names, kernels):
+        kernel_resources.append((arch, filename, name, kernel))
+
+    # Every requested instantiation became a kernel (a name expression that names nothing fails
+    # in NVRTC already; this also catches a lost entry in ptxas' report).
+    compiled = {k.name for k in kernels}
+    missing = [e for e, lowered in build.lowered_names.items() if lowered not in compiled]
+    assert not missing, f"{filename} ({arch}): requested kernels with no compiled entry: {missing}"
+    bad = [(name, k.stack_frame_bytes, k.spill_store_bytes, k.spill_load_bytes)
+           for name, k in zip(names, kernels)
+           if k.stack_frame_bytes or k.spill_store_bytes or k.spill_load_bytes]
+    assert not bad, f"{filename} ({arch}): kernels with a stack frame or spills (name, stack, st, ld): {bad}"
+    assert all(0 < k.registers <= 255 for k in kernels)
+
+
+def test_every_architecture_from_sm80_is_covered():
+    for source in ALL_SOURCES:
+        archs = {arch for s, arch in TARGETS if s is source}
+        expected = {"sm_90a"} if source.needs_sm90a else (
+            {"sm_90"} if source.min_arch == 90 else {"sm_80", "sm_86", "sm_89", "sm_90"})
+        assert archs == expected, f"{source.filename}: compiled for {sorted(archs)}, expected {sorted(expected)}"
+
+
+def test_every_kernel_file_belongs_to_a_source():
+    cu_files = sorted(p.name for p in KERNELS_DIR.glob("*.cu"))
+    assert cu_files, f"no .cu files found in {KERNELS_DIR}"
+    owned = sorted(s.filename for s in ALL_SOURCES)
+    assert cu_files == owned, f".cu files {cu_files} but sources {owned}"
+    included = set()
+    for source in ALL_SOURCES:
+        included |= set(re.findall(r"// ---- (\S+\.cuh) ----", source.code()))
+    headers = {p.name for p in KERNELS_DIR.glob("*.cuh")}
+    assert headers <= included, f"headers no source includes (dead code): {sorted(headers - included)}"
+
+
+def test_no_kernel_file_over_600_lines():
+    long = {p.name: n for p in KERNELS_DIR.glob("*.cu*") if (n := len(p.read_text().splitlines())) > MAX_CU_LINES}
+    assert not long, f"kernel files over {MAX_CU_LINES} lines: {long}"
+
+
+def test_every_kernel_source_in_the_package_is_listed():
+    """A KernelSource defined anywhere in the package but missing from _sources.ALL_SOURCES would
+    be compiled by nothing here."""
     for info in pkgutil.walk_packages(altup_cupy.__path__, prefix="altup_cupy."):
-        if info.name not in SKIPPED_MODULES:
-            names.append(info.name)
-    return sorted(set(names) | set(REQUIRED_MODULES))
+        if info.name == "altup_cupy.__main__":
+            continue
+        for attr, value in vars(importlib.import_module(info.name)).items():
+            if isinstance(value, KernelSource):
+                assert any(value is s for s in ALL_SOURCES), f"{info.name}.{attr} is not in ALL_SOURCES"
 
 
-def _kernel_sources() -> dict[str, list[tuple[str, KernelSource]]]:
-    """{module name: [(attribute, KernelSource), ...]} for every module of the package."""
-    found: dict[str, list[tuple[str, KernelSource]]] = {}
-    for name in _all_module_names():
-        module = importlib.import_module(name)
-        found[name] = [
-            (attr, value) for attr, value in vars(module).items() if isinstance(value, KernelSource)
-        ]
-    return found
+def test_hopper_instructions_only_in_sm90_sources():
+    for source in ALL_SOURCES:
+        found = sorted(set(HOPPER_ONLY.findall(source.code())))
+        if source.min_arch < 90:
+            assert not found, f"{source.filename} (min_arch {source.min_arch}) uses Hopper-only {found}"
+    assert HOPPER_ONLY.search(PREDICT_CORRECT_BACKWARD_V4.code()), "the pattern finds nothing in v4"
 
 
-def _unique_sources() -> list[KernelSource]:
-    seen: dict[int, KernelSource] = {}
-    for entries in _kernel_sources().values():
-        for _, source in entries:
-            seen.setdefault(id(source), source)
-    return sorted(seen.values(), key=lambda s: (s.filename, s.name_expressions))
-
-
-CU_FILES = sorted(p.name for p in PACKAGE_DIR.glob("*.cu"))
-
-
-def test_required_modules_define_kernel_sources():
-    found = _kernel_sources()
-    for name in REQUIRED_MODULES:
-        assert found[name], f"{name} defines no module-level KernelSource"
-
-
-def test_every_cu_file_belongs_to_a_kernel_source():
-    assert CU_FILES, f"no .cu files found in {PACKAGE_DIR}"
-    owned = {s.filename for s in _unique_sources()}
-    orphans = sorted(set(CU_FILES) - owned)
-    assert not orphans, f".cu files no KernelSource compiles (dead or untested code): {orphans}"
-
-
-def test_every_kernel_source_file_exists():
-    for source in _unique_sources():
-        assert (PACKAGE_DIR / source.filename).is_file(), f"{source.filename} is missing from {PACKAGE_DIR}"
-        assert source.name_expressions, f"{source.filename}: KernelSource requests no kernels"
-
-
-def _demangle(names: list[str]) -> list[str]:
-    tool = shutil.which("c++filt")
-    if tool is None:
-        return names
-    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True)
-    return out.stdout.splitlines()
-
-
-def _signature_key(text: str) -> str:
-    """'void collapse_epilogue_v1<3, 2>(uint4 const*, ...)' -> 'collapse_epilogue_v1<3,2>'."""
-    head = text.split("(", 1)[0]
-    head = re.sub(r"^\s*void\s+", "", head)
-    return re.sub(r"\s+", "", head)
-
-
-@pytest.mark.parametrize("cu_file", CU_FILES)
-def test_compiles_for_sm90_without_spills(cu_file, kernel_resources):
-    sources = [s for s in _unique_sources() if s.filename == cu_file]
-    assert sources, f"{cu_file}: no KernelSource in the package compiles it"
-    for source in sources:
-        build = compile_offline(source, ARCH)
-        assert build.cubin_bytes > 0, f"{cu_file}: empty cubin"
-        kernels = list(build.kernels)
-        demangled = _demangle([k.name for k in kernels])
-        keys = {_signature_key(d): k for d, k in zip(demangled, kernels)}
-
-        print(f"\n{cu_file} for {ARCH}: cubin {build.cubin_bytes} bytes, {len(kernels)} kernels")
-        for d, k in zip(demangled, kernels):
-            print(f"  {k.registers:4d} regs  stack {k.stack_frame_bytes}  spill st {k.spill_store_bytes}"
-                  f" ld {k.spill_load_bytes}  {_signature_key(d)}")
-            kernel_resources.append((cu_file, k.__class__(
-                _signature_key(d), k.registers, k.stack_frame_bytes, k.spill_store_bytes,
-                k.spill_load_bytes)))
-
-        # Every requested instantiation became a kernel (a name expression that names nothing
-        # fails in NVRTC already; this also catches a lost entry in ptxas' report).
-        assert len(kernels) >= len(source.name_expressions), (
-            f"{cu_file}: {len(source.name_expressions)} name expressions but ptxas compiled "
-            f"{len(kernels)} entry functions"
-        )
-        if shutil.which("c++filt"):
-            missing = [e for e in source.name_expressions if re.sub(r"\s+", "", e) not in keys]
-            assert not missing, f"{cu_file}: requested kernels with no compiled entry: {missing}"
-
-        bad = [
-            (k.name, k.stack_frame_bytes, k.spill_store_bytes, k.spill_load_bytes)
-            for k in kernels
-            if k.stack_frame_bytes or k.spill_store_bytes or k.spill_load_bytes
-        ]
-        assert not bad, f"{cu_file}: kernels with a stack frame or spills (name, stack, st, ld): {bad}"
-        assert all(0 < k.registers <= 255 for k in kernels)
+def test_an_unsupported_architecture_is_refused_before_compiling():
+    with pytest.raises(ValueError, match="needs sm_90 or newer, got arch='sm_86'"):
+        compile_offline(PREDICT_CORRECT_BACKWARD_V4, "sm_86")
+    with pytest.raises(ValueError, match="arch must look like"):
+        compile_offline(PREDICT_CORRECT_BACKWARD_V4, "90")

@@ -92,7 +92,7 @@ def test_stages_are_consistent():
 def v2_mirror(grad_corrected, hidden_states, activated, prediction_coefs, correction_coefs,
               router_weight, norm_weight, active_idx=0, eps=1e-6, dtype=torch.float64):
     """The fused v2 kernel's algebra, token-vectorized: the same three reduction rounds and the
-    same formulas as pc_v2_fused (predict_correct_bwd.cu)."""
+    same formulas as predict_correct_backward_v2 (kernels/predict_correct_backward_v2.cu)."""
     n, b, s, h = grad_corrected.shape
     A = active_idx
     g = grad_corrected.to(dtype).reshape(n, -1, h)

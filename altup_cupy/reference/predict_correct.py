@@ -226,7 +226,8 @@ def predict_correct_backward_one_reduction(grad_corrected, hidden_states, activa
                                            ) -> PredictCorrectGradsRef:
     """The backward as kernel v3 computes it: ONE set of per-token dot products of the raw rows,
     then per-token scalars, then fixed linear maps of the rows (SPEC.md section 2's math,
-    reorganised; `pc_v3_fused` in predict_correct_bwd.cu follows it line by line).
+    reorganised; `predict_correct_backward_v3` in kernels/predict_correct_backward_v3.cu follows it
+    line by line).
 
         ss_a = <h_a,h_a>, ss_c = <x,x>, Ap_n = sum_d R_nd w_d h_a,d, Ac_n = (same on x),
         G_ij = <g_i, h_j>, Gc_i = <g_i, x>

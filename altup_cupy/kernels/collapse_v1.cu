@@ -1,6 +1,6 @@
-// collapse.cu: the AltUp collapse forward (SPEC.md section 1), epilogue side.
+// collapse_v1.cu: the AltUp collapse forward (docs/SPEC.md section 1), epilogue side.
 //
-// The projections y_k = x_k @ W_k^T come from cuBLAS (bf16 in, fp32 out; see collapse.py).
+// The projections y_k = x_k @ W_k^T come from cuBLAS (bf16 in, fp32 out; see the host module).
 // What is left per row t is memory-bound:
 //     target = sqrt(mean(s0^2)),  mag_k = sqrt(max(mean(y_k^2), eps))
 //     out    = (s0 + sum_k y_k * target / mag_k) / N      -> bf16
@@ -12,9 +12,12 @@
 #include "common.cuh"
 
 // Threads per block that still leave each thread the registers for CHUNKS slices of N streams
-// (65536 registers per SM). collapse.py mirrors this rule when it picks a launch shape.
+// (65536 registers per SM): the tiers of _sources.COLLAPSE_LAUNCH_BOUNDS (the host picks launch
+// shapes from the same table).
 __host__ __device__ constexpr int collapse_max_threads(int n, int chunks) {
-    return n * chunks <= 4 ? 1024 : (n * chunks <= 8 ? 512 : 256);
+    return n * chunks <= ALTUP_COLLAPSE_SLICES_0   ? ALTUP_COLLAPSE_THREADS_0
+           : n * chunks <= ALTUP_COLLAPSE_SLICES_1 ? ALTUP_COLLAPSE_THREADS_1
+                                                   : ALTUP_COLLAPSE_THREADS_2;
 }
 
 // Load one sweep of CHUNKS slices per thread (slices past the row end read as zeros).
@@ -57,6 +60,7 @@ __global__ void __launch_bounds__(collapse_max_threads(N, CHUNKS)) collapse_epil
     const int hidden,                       // H, divisible by kVec
     const long long rows,
     const float eps) {
+    static_assert(N * CHUNKS <= ALTUP_COLLAPSE_SLICES_2, "no launch-bounds tier of _sources holds N * CHUNKS slices");
     __shared__ float scratch[32 * N];
     const int slices = hidden / kVec;
     const int sweep = CHUNKS * blockDim.x;

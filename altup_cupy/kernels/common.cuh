@@ -1,5 +1,5 @@
-// common.cuh: helpers shared by every kernel source. `_build.py` pastes this file in place of
-// `#include "common.cuh"`, so the sources need no include path (no cuda_bf16.h either).
+// common.cuh: helpers shared by every kernel source. `_build.py` pastes each included .cuh file
+// in place of its #include line, so the sources need no include path (no cuda_bf16.h either).
 #pragma once
 
 // bf16 travels as raw 16-bit words. Eight of them are one 16-byte vector (uint4), the widest

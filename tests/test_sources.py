@@ -1,0 +1,109 @@
+"""One home for every launch constant the host and the kernels share (altup_cupy/_sources.py).
+
+The kernels read them only as ALTUP_* defines given by their KernelSource, never define them
+themselves, and no host module keeps its own copy under another name. Layout sizes the kernels
+derive (TokenStats<N>::size, partial_stride) are checked by static_asserts against the defines,
+which tests/test_compile.py compiles. Also: the device check and the per-architecture dispatch.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import altup_cupy
+from altup_cupy import _device, _sources
+from altup_cupy._build import DEFINE_PREFIX, KERNELS_DIR, KernelSource
+from altup_cupy._sources import ALL_SOURCES
+
+PACKAGE_DIR = Path(altup_cupy.__file__).resolve().parent
+USED_DEFINE = re.compile(rf"\b{DEFINE_PREFIX}([A-Z0-9_]+)\b")
+
+
+def _code_without_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*", "", text)
+
+
+@pytest.mark.parametrize("source", ALL_SOURCES, ids=[s.filename for s in ALL_SOURCES])
+def test_every_define_a_source_uses_is_given_and_every_given_one_used(source):
+    used = set(USED_DEFINE.findall(_code_without_comments(source.code())))
+    given = set(source.defines)
+    assert used <= given, f"{source.filename} uses {sorted(used - given)} that its KernelSource does not define"
+    assert given <= used, f"{source.filename} is given {sorted(given - used)} that it never uses"
+
+
+def test_no_kernel_file_defines_a_shared_constant():
+    for path in sorted(KERNELS_DIR.glob("*.cu*")):
+        defined = re.findall(rf"#\s*define\s+({DEFINE_PREFIX}\w+)", path.read_text())
+        assert not defined, f"{path.name} defines {defined}; they come from _sources.py"
+        constants = re.findall(r"constexpr\s+int\s+(k[A-Z]\w*)\s*=\s*(\d+)\s*;", path.read_text())
+        values = {v for s in ALL_SOURCES for v in s.defines.values()}
+        copies = [(name, v) for name, v in constants if int(v) in values and int(v) > 8]
+        assert not copies, f"{path.name}: constants with the value of a define: {copies}"
+
+
+def _module_int_constants(path: Path):
+    """(name, value) of module-level `NAME = <int expression of literals>` assignments."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                value = ast.literal_eval(node.value) if not isinstance(node.value, ast.BinOp) else eval(
+                    compile(ast.Expression(node.value), str(path), "eval"), {})
+            except Exception:
+                continue
+            if type(value) is int:
+                yield node.targets[0].id, value
+
+
+def test_no_host_module_copies_a_define():
+    """A host constant with a define's value and a name sharing two words with it (V4_MAX_THREADS
+    vs a copy named MAX_V4_THREADS = 352) is a second home for the fact."""
+    defines = {name: value for s in ALL_SOURCES for name, value in s.defines.items()}
+    copies = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.name == "_sources.py":
+            continue
+        for name, value in _module_int_constants(path):
+            for define, define_value in defines.items():
+                shared = set(name.split("_")) & set(define.split("_"))
+                if value == define_value and len(shared) >= 2:
+                    copies.append(f"{path.relative_to(PACKAGE_DIR)}: {name} = {value} (define {define})")
+    assert not copies, "host constants that copy a define (import it from _sources):\n" + "\n".join(copies)
+
+
+def test_collapse_launch_bounds_cover_every_instantiation():
+    most = max(n * c for n in _sources.SUPPORTED_STREAMS for c in _sources.COLLAPSE_CHUNK_CHOICES)
+    assert _sources.COLLAPSE_LAUNCH_BOUNDS[-1][0] >= most
+    assert _sources.collapse_max_threads(4, 4) == 256 and _sources.collapse_max_threads(2, 2) == 1024
+
+
+def test_kernel_source_arguments_are_checked():
+    with pytest.raises(ValueError, match="min_arch must be 80 or 90"):
+        KernelSource("x.cu", ("k",), min_arch=75)
+    with pytest.raises(ValueError, match="must be an UPPER_CASE name and an int"):
+        KernelSource("x.cu", ("k",), defines={"THREADS": 1.5})
+    with pytest.raises(ValueError, match="needs sm_90a must have min_arch 90"):
+        KernelSource("x.cu", ("k",), needs_sm90a=True)
+
+
+def test_supports_and_target_arch_follow_the_compute_capability():
+    v3, v4 = _sources.PREDICT_CORRECT_BACKWARD_V3, _sources.PREDICT_CORRECT_BACKWARD_V4
+    assert v3.supports(80) and v3.supports(90) and not v3.supports(75)
+    assert v4.supports(90) and not v4.supports(89)
+    assert v3.target_arch(86) == "sm_86"
+    assert v4.target_arch(90) == "sm_90"
+    with pytest.raises(RuntimeError, match="needs compute capability 9.0 or newer, not 8.9"):
+        v4.target_arch(89)
+
+
+def test_check_supported_names_a_device_below_8_0(monkeypatch):
+    monkeypatch.setattr(_device, "compute_capability", lambda index: 75)
+    monkeypatch.setattr(_device, "device_name", lambda index: "Tesla T4")
+    with pytest.raises(RuntimeError, match=r"CUDA device 0 \(Tesla T4\) has compute capability 7\.5; "
+                                           r"altup_cupy's kernels need 8\.0 or newer"):
+        _device.check_supported(0)
+    monkeypatch.setattr(_device, "compute_capability", lambda index: 86)
+    assert _device.check_supported(0) == 86
