@@ -100,10 +100,14 @@ def test_supports_and_target_arch_follow_the_compute_capability():
 
 
 def test_check_supported_names_a_device_below_8_0(monkeypatch):
-    monkeypatch.setattr(_device, "compute_capability", lambda index: 75)
-    monkeypatch.setattr(_device, "device_name", lambda index: "Tesla T4")
+    """torch's device queries stubbed: a Turing card is refused by name, an Ampere one passes."""
+    monkeypatch.setattr(_device.torch.cuda, "get_device_name", lambda index: "Tesla T4")
+    monkeypatch.setattr(_device.torch.cuda, "get_device_capability", lambda index: (7, 5))
+    _device.facts.cache_clear()
     with pytest.raises(RuntimeError, match=r"CUDA device 0 \(Tesla T4\) has compute capability 7\.5; "
                                            r"altup_cupy's kernels need 8\.0 or newer"):
         _device.check_supported(0)
-    monkeypatch.setattr(_device, "compute_capability", lambda index: 86)
+    monkeypatch.setattr(_device.torch.cuda, "get_device_capability", lambda index: (8, 6))
+    _device.facts.cache_clear()
     assert _device.check_supported(0) == 86
+    _device.facts.cache_clear()
