@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ._gpu import gpu_status
-from .bench import RESULTS_DIR, csv_path, read_csv
+from ._paths import RECORDED_RESULTS_DIR
+from .bench import csv_path, read_csv
 from .figures import parse_rows
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -36,7 +37,7 @@ def mode(verbose: bool = True) -> str:
         else:
             reason = "ALTUP_NOTEBOOK_MODE=cpu" if usable else why
             print(f"CPU mode ({reason}): no live measurement; the tables and figures below replay "
-                  f"the recorded measurements in {RESULTS_DIR.relative_to(PACKAGE_DIR.parent)}/.")
+                  f"the recorded measurements in {_shown(RECORDED_RESULTS_DIR)}/.")
     return chosen
 
 
@@ -84,7 +85,15 @@ def file_header(filename: str) -> str:
     return "\n".join(out)
 
 
-def recorded_rows(op: str, suite: str = "benchmark", results_dir: Path = RESULTS_DIR) -> list[dict]:
+def _shown(path: Path) -> str:
+    """`path` relative to the current directory when it lies under it (the notebooks print it)."""
+    try:
+        return path.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def recorded_rows(op: str, suite: str = "benchmark", results_dir: Path = RECORDED_RESULTS_DIR) -> list[dict]:
     """Parsed rows of the recorded CSV, or [] (with a message) if it is absent."""
     path = csv_path(op, suite, results_dir)
     if not path.is_file():

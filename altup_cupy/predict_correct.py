@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import numpy
 
 from . import _arrays
 from ._arrays import BF16, F32
 from ._build import KernelSource
+from .reference.predict_correct import PredictCorrectGrads
 
 SUPPORTED_STREAMS = (2, 3, 4)
 # v3 instantiations: (slices per thread, min blocks per SM); launch bound 320 threads for two
@@ -69,15 +70,6 @@ def _name_expressions() -> tuple[str, ...]:
 
 
 SOURCE = KernelSource("predict_correct_bwd.cu", _name_expressions())
-
-
-class PredictCorrectGrads(NamedTuple):
-    grad_hidden_states: Any  # bf16 [N, B, S, H]
-    grad_activated: Any  # bf16 [B, S, H]
-    grad_prediction_coefs: Any  # fp32 [N*N, N]
-    grad_correction_coefs: Any  # fp32 [N, N]
-    grad_router_weight: Any  # fp32 [N, H]
-    grad_norm_weight: Any  # fp32 [H]
 
 
 def partial_stride(streams: int, hidden: int) -> int:

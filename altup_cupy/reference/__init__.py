@@ -8,7 +8,7 @@ baselines of the benchmark. They run on whatever device their inputs are on.
 from .collapse import collapse_reference
 from .predict_correct import (
     BackwardStages,
-    PredictCorrectGradsRef,
+    PredictCorrectGrads,
     predict_correct_autograd,
     predict_correct_backward_one_reduction,
     predict_correct_backward_reference,
@@ -24,5 +24,5 @@ __all__ = [
     "predict_correct_backward_stages",
     "predict_correct_autograd",
     "BackwardStages",
-    "PredictCorrectGradsRef",
+    "PredictCorrectGrads",
 ]
