@@ -2,7 +2,7 @@
 
 Row-major `Y[b] = X[b] @ W[b]^T` for `batch` pairs of ([rows, k] activations, [n, k] weights),
 written as the column-major product `Y^T = W^T^T X^T` that cuBLAS computes: A = W with op T,
-B = X with op N, both read in place. fp32 C and fp32 compute (SPEC.md section 1: a bf16 C fails
+B = X with op N, both read in place. fp32 C and fp32 compute (docs/SPEC.md section 1: a bf16 C fails
 the tolerance).
 """
 

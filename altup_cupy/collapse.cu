@@ -1,4 +1,4 @@
-// collapse.cu: the AltUp collapse forward (SPEC.md section 1), epilogue side.
+// collapse.cu: the AltUp collapse forward (docs/SPEC.md section 1), epilogue side.
 //
 // The projections y_k = x_k @ W_k^T come from cuBLAS (bf16 in, fp32 out; see collapse.py).
 // What is left per row t is memory-bound:

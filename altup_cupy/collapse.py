@@ -1,4 +1,4 @@
-"""Host side of the AltUp collapse forward (SPEC.md section 1).
+"""Host side of the AltUp collapse forward (docs/SPEC.md section 1).
 
 v1: for each block of rows, cuBLAS projects streams 1..N-1 into an fp32 workspace (one strided
 batched call when the weights are stacked, one call per weight otherwise), then one RawKernel

@@ -1,4 +1,4 @@
-"""Host side of the AltUp predict-correct backward (SPEC.md section 2).
+"""Host side of the AltUp predict-correct backward (docs/SPEC.md section 2).
 
 Default: v4 where it applies (H <= 2560: one slice per thread and its shared-memory ring fit), otherwise v3.
 v4: `pc_v4_fused`: v3's arithmetic with each token's rows streamed into a ring of shared-memory
@@ -247,7 +247,7 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
                              prediction_coefs: Any, correction_coefs: Any, router_weight: Any,
                              norm_weight: Any, active_idx: int = 0, eps: float = 1e-6, *,
                              version: int | None = DEFAULT_VERSION) -> PredictCorrectGrads:
-    """The six gradients of AltUp's predict + correct step (SPEC.md section 2).
+    """The six gradients of AltUp's predict + correct step (docs/SPEC.md section 2).
 
     grad_corrected, hidden_states: bf16 [N, B, S, H]; activated: bf16 [B, S, H];
     prediction_coefs bf16 [N*N, N]; correction_coefs bf16 [N, N]; router_weight bf16 [N, H];

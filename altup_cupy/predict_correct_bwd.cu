@@ -1,4 +1,4 @@
-// predict_correct_bwd.cu: the backward of AltUp's predict + correct step (SPEC.md section 2).
+// predict_correct_bwd.cu: the backward of AltUp's predict + correct step (docs/SPEC.md section 2).
 //
 // Notation (per token t; N streams, H hidden, a = active index, w = norm_weight, R = router_weight,
 // P = prediction_coefs [N*N, N], Q = correction_coefs [N, N]; the derivation is written out in

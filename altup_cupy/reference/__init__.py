@@ -1,4 +1,4 @@
-"""Plain PyTorch implementations of SPEC.md, written for clarity, in any floating dtype.
+"""Plain PyTorch implementations of docs/SPEC.md, written for clarity, in any floating dtype.
 
 In float64 they are the references every kernel is checked against; in float32 they are the
 "plain PyTorch implementation at working precision" of the accuracy oracle and the eager

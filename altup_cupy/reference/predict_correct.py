@@ -1,4 +1,4 @@
-"""The AltUp predict + correct step (SPEC.md section 2) and its backward, in plain PyTorch.
+"""The AltUp predict + correct step (docs/SPEC.md section 2) and its backward, in plain PyTorch.
 
 Forward, per token t (h_j = hidden_states[j, t], x = activated[t], a = active_idx):
 
@@ -203,7 +203,7 @@ def predict_correct_backward_reference(grad_corrected, hidden_states, activated,
                                        correction_coefs, router_weight, norm_weight,
                                        active_idx: int = 0, eps: float = 1e-6,
                                        dtype: torch.dtype = torch.float64) -> PredictCorrectGrads:
-    """The six gradients of SPEC.md section 2 in `dtype` (not rounded to the contract dtypes)."""
+    """The six gradients of docs/SPEC.md section 2 in `dtype` (not rounded to the contract dtypes)."""
     return predict_correct_backward_stages(grad_corrected, hidden_states, activated,
                                            prediction_coefs, correction_coefs, router_weight,
                                            norm_weight, active_idx, eps, dtype).grads()
@@ -229,7 +229,7 @@ def predict_correct_backward_one_reduction(grad_corrected, hidden_states, activa
                                            dtype: torch.dtype = torch.float64
                                            ) -> PredictCorrectGrads:
     """The backward as kernel v3 computes it: ONE set of per-token dot products of the raw rows,
-    then per-token scalars, then fixed linear maps of the rows (SPEC.md section 2's math,
+    then per-token scalars, then fixed linear maps of the rows (docs/SPEC.md section 2's math,
     reorganised; `pc_v3_fused` in predict_correct_bwd.cu follows it line by line).
 
         ss_a = <h_a,h_a>, ss_c = <x,x>, Ap_n = sum_d R_nd w_d h_a,d, Ac_n = (same on x),
