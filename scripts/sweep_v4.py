@@ -4,7 +4,7 @@ on workloads spanning the token counts of both suites, beside v3 and the copy fl
 Each plan is first checked against the float64 reference under the benchmark's rule (all six
 outputs), then timed by the benchmark's own method (bench.time_us: L2 flushed before each call,
 warm-up, median). Prints a table and writes CSV rows; the default plan (v4_launch_plan) is chosen
-from what this measures (results/h200/NOTES.md).
+from what this measures (results/nvidia-h200/NOTES.md).
 
     python3 scripts/sweep_v4.py [--reps 30] [--out sweep_v4.csv]
 """
