@@ -60,7 +60,7 @@ for stage in "${stages[@]}"; do
     tests)
       ALTUP_REQUIRE_GPU=1 run_stage "$results/gpu_tests.log" python3 -m pytest tests -v -rs -p no:cacheprovider ;;
     bench)
-      run_stage "$results/bench.log" python3 -m altup_cupy bench --suite all --results-dir "$results" ;;
+      run_stage "$results/bench.log" python3 -m altup_cupy bench --suite all --reps 50 --results-dir "$results" ;;
     notebooks)
       ALTUP_NOTEBOOK_MODE=gpu run_stage "$results/notebooks.log" bash scripts/execute_notebooks.sh ;;
     sweep)
