@@ -869,7 +869,7 @@ pc_v2_fused(const uint4* __restrict__ grad, const uint4* __restrict__ hs, const 
 // The rows are not kept in registers across the reduction: the output pass reads them again
 // (L1 hits: pass 1 loads them with L1 allocation, pass 2 evict-first). That halves the registers
 // per thread, so two blocks fit on an SM where a register-resident version fit one, and it ran
-// faster on the H200 (results/h200/NOTES.md).
+// faster on the H200 (results/nvidia-h200/NOTES.md).
 
 template <int N>
 struct V3Layout {
@@ -1283,7 +1283,7 @@ __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 512 : 320, MIN_BLOCKS) pc_v3
 // v4: v3's arithmetic, fed by the bulk-copy engine, with the scalar phase on its own warp
 // ---------------------------------------------------------------------------------------------
 //
-// Measured on v3 (results/h200/NOTES.md): at one or two blocks per SM the SM issues an
+// Measured on v3 (results/nvidia-h200/NOTES.md): at one or two blocks per SM the SM issues an
 // instruction only every ~3 cycles per scheduler, and about half of the warps' stall time is at
 // the block barrier while warp 0 alone turns the token's totals into coefficients. v4 keeps v3's
 // per-slice arithmetic and changes how the work is scheduled:
