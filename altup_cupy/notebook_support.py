@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ._gpu import gpu_status
-from ._paths import RECORDED_RESULTS_DIR
+from ._paths import RECORDED_RESULTS_DIR, REPO_ROOT
 from .bench import csv_path, read_csv
 from .figures import parse_rows
 
@@ -86,11 +86,11 @@ def file_header(filename: str) -> str:
 
 
 def _shown(path: Path) -> str:
-    """`path` relative to the current directory when it lies under it (the notebooks print it)."""
-    try:
-        return path.relative_to(Path.cwd()).as_posix()
-    except ValueError:
-        return path.as_posix()
+    """`path` as the notebooks print it: relative to the checkout (or the current directory)."""
+    for base in (REPO_ROOT, Path.cwd()):
+        if base is not None and path.is_relative_to(base):
+            return path.relative_to(base).as_posix()
+    return path.as_posix()
 
 
 def recorded_rows(op: str, suite: str = "benchmark", results_dir: Path = RECORDED_RESULTS_DIR) -> list[dict]:
