@@ -6,26 +6,50 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import _paths
 from ._device import gpu_status
-from .bench import RESULTS_DIR, REPO_ROOT
+from ._extras import MissingExtraError
 from .workloads import OPS, SUITES
-
-FIGURES_DIR = REPO_ROOT / "figures"
-README = REPO_ROOT / "README.md"
 
 
 def _selected(value: str, choices: tuple[str, ...]) -> tuple[str, ...]:
     return choices if value == "all" else (value,)
 
 
-def _regenerate(results_dir: Path, figures_dir: Path, readme: Path | None) -> None:
+def _regenerate(results_dir: Path, figures_dir: Path | None, update_readme: bool) -> None:
+    """Figures (and, if asked, the README's tables) from the CSVs in `results_dir`."""
     from . import figures, report
 
+    figures_dir = figures_dir or _paths.figures_dir_for(results_dir)
     for path in figures.regenerate(results_dir, figures_dir):
         print(f"wrote {path}")
-    if readme is not None and readme.exists():
-        report.update_readme(readme, results_dir)
-        print(f"updated the results table in {readme}")
+    if update_readme:
+        if _paths.README is None:
+            raise SystemExit("--update-readme: the README belongs to a checkout of the repository; "
+                             "this package is an installed copy")
+        report.update_readme(_paths.README, results_dir, figures_dir)
+        print(f"updated the results table in {_paths.README}")
+
+
+def _recorded_dirs(results_dir: Path | None) -> list[Path]:
+    """The folder asked for, else every results/<gpu>/ holding CSVs (see _paths)."""
+    return [results_dir] if results_dir is not None else _paths.recorded_results_dirs()
+
+
+def _nothing_recorded() -> int:
+    print(f"No recorded results: no {_paths.RESULTS_DIRNAME}/<gpu>/bench_*.csv under {Path.cwd()}. "
+          f"Run `python -m altup_cupy bench` on a CUDA GPU to measure, or pass --results-dir.")
+    return 0
+
+
+def _gpu_of(results_dir: Path) -> str | None:
+    """The GPU named in the CSVs already in `results_dir` (None if it holds none)."""
+    from .bench import read_csv
+
+    for path in sorted(results_dir.glob("bench_*.csv")):
+        for row in read_csv(path):
+            return row.get("gpu")
+    return None
 
 
 def cmd_bench(args) -> int:
@@ -33,28 +57,43 @@ def cmd_bench(args) -> int:
 
     usable, why = gpu_status()
     if not usable:
-        print(f"No GPU: {why}.\nNot measuring. Replaying the recorded results from {args.results_dir}:\n")
-        print(report.markdown_tables(args.results_dir))
-        _regenerate(args.results_dir, args.figures_dir, None)
+        dirs = _recorded_dirs(args.results_dir)
+        if not dirs:
+            print(f"No GPU: {why}. Not measuring.")
+            return _nothing_recorded()
+        for results_dir in dirs:
+            print(f"No GPU: {why}.\nNot measuring. Replaying the recorded results from {results_dir}:\n")
+            print(report.markdown_tables(results_dir))
+            _regenerate(results_dir, args.figures_dir, False)
         return 0
+    import torch
+
     from . import bench
     from .benchmarks import op_bench
     from .workloads import workloads
 
+    gpu = torch.cuda.get_device_name()
+    results_dir = args.results_dir or _paths.results_dir(gpu)
+    recorded_gpu = _gpu_of(results_dir)
+    if recorded_gpu not in (None, gpu):
+        print(f"{results_dir} holds measurements of {recorded_gpu}, this GPU is {gpu}: not overwriting "
+              f"them. Pass another --results-dir (default: ./{_paths.RESULTS_DIRNAME}/{_paths.gpu_slug(gpu)}).",
+              file=sys.stderr)
+        return 2
     for op in _selected(args.op, OPS):
         for suite in _selected(args.suite, SUITES):
             chosen = workloads(op, suite)[: args.limit] if args.limit else workloads(op, suite)
             rows = bench.measure(op_bench(op), chosen, suite, reps=args.reps, warmup=args.warmup)
-            path = bench.csv_path(op, suite, args.results_dir)
+            path = bench.csv_path(op, suite, results_dir)
             bench.write_csv(rows, path)
             print(f"wrote {path}")
     from . import host_overhead
 
-    path = Path(args.results_dir) / "host_overhead.csv"
+    path = Path(results_dir) / "host_overhead.csv"
     bench.write_csv(host_overhead.measure(_selected(args.op, OPS)), path, host_overhead.CSV_COLUMNS)
     print(f"wrote {path}")
-    print(report.markdown_tables(args.results_dir))
-    _regenerate(args.results_dir, args.figures_dir, README if args.update_readme else None)
+    print(report.markdown_tables(results_dir))
+    _regenerate(results_dir, args.figures_dir, args.update_readme)
     return 0
 
 
@@ -89,7 +128,11 @@ def cmd_check(args) -> int:
 
 
 def cmd_figures(args) -> int:
-    _regenerate(args.results_dir, args.figures_dir, README if args.update_readme else None)
+    dirs = _recorded_dirs(args.results_dir)
+    if not dirs:
+        return _nothing_recorded()
+    for results_dir in dirs:
+        _regenerate(results_dir, args.figures_dir, args.update_readme)
     return 0
 
 
@@ -98,8 +141,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):
-        p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="CSV folder (default: %(default)s)")
-        p.add_argument("--figures-dir", type=Path, default=FIGURES_DIR, help="PNG folder (default: %(default)s)")
+        p.add_argument("--results-dir", type=Path, default=None,
+                       help="CSV folder (default: ./results/<gpu-name>/, e.g. results/nvidia-h200/)")
+        p.add_argument("--figures-dir", type=Path, default=None,
+                       help="PNG folder (default: figures/ for the recorded H200 results, "
+                            "<results-dir>/figures/ for any other GPU's)")
         p.add_argument("--update-readme", action="store_true", help="also rewrite the README's results table")
 
     p = sub.add_parser("bench", help="time every implementation on every workload (on a GPU); "
@@ -131,7 +177,11 @@ def main(argv=None) -> int:
 
         args.seed = random.SystemRandom().randrange(1 << 30)
         print(f"seed {args.seed}")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MissingExtraError as error:
+        print(f"python -m altup_cupy {args.command}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

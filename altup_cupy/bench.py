@@ -1,6 +1,6 @@
 """The timing harness: every implementation of an op, on every workload, side by side in one run.
 
-Method (METHOD.md of the device tool, and the issues): fresh random inputs per workload; each
+Method: fresh random inputs per workload; each
 checked implementation's outputs compared with the float64 reference under the benchmark's
 rule; then for timing, the L2 cache is flushed before every call, the call is bracketed by CUDA
 events on the current stream, and the median of `reps` calls after `warmup` calls is reported.
@@ -28,13 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ._paths import REPO_ROOT
+from .ceilings import H200
 from .workloads import Workload, tolerance_report
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "results" / "h200"
-# Datasheet ceilings of the H200 SXM (SPEC.md section 4).
-H200_BF16_FLOPS = 989.4e12
-H200_HBM_BYTES_PER_S = 4.8e12
 L2_FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MiB L2
 HOST_HEADSTART_CYCLES = 2_000_000  # ~1 ms of GPU sleep at ~2 GHz: longer than any call's host cost
 
@@ -76,15 +73,20 @@ class OpBench:
 
 def sol_us(bench: OpBench, w: Workload) -> float:
     """Speed of light on the H200's datasheet: the larger of the compute and memory times."""
-    return 1e6 * max(bench.flops(w) / H200_BF16_FLOPS, bench.compulsory_bytes(w) / H200_HBM_BYTES_PER_S)
+    return 1e6 * H200.sol_seconds(bench.flops(w), bench.compulsory_bytes(w))
 
 
 def run_info() -> dict:
-    """Provenance stamped on every row: GPU name, git commit, UTC date."""
+    """Provenance stamped on every row: GPU name, git commit (the package version when it does not
+    run from a checkout), UTC date."""
     import torch
 
     sha = os.environ.get("ALTUP_GIT_SHA")
-    if not sha:
+    if not sha and REPO_ROOT is None:
+        from . import __version__
+
+        sha = f"v{__version__}"
+    elif not sha:
         try:
             sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT,
                                  capture_output=True, text=True, check=True).stdout.strip()
@@ -163,7 +165,10 @@ def measure(bench: OpBench, workloads: Sequence[Workload], suite: str, reps: int
     """Check and time every implementation of `bench` (or those named) on every workload; return
     CSV rows."""
     import torch
-    from tqdm.auto import tqdm
+
+    from ._extras import require
+
+    tqdm = require("tqdm.auto", "bench").tqdm
 
     def chosen(w):
         return [i for i in bench.impls(w) if impl_names is None or i.name in impl_names]
@@ -223,5 +228,5 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def csv_path(op: str, suite: str, results_dir: Path = RESULTS_DIR) -> Path:
+def csv_path(op: str, suite: str, results_dir: Path | str) -> Path:
     return Path(results_dir) / f"bench_{op}_{suite}.csv"

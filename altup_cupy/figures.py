@@ -1,10 +1,10 @@
 """Every figure of the project, regenerated from the recorded CSV files alone (no GPU, seconds).
 
     from altup_cupy.figures import regenerate
-    regenerate("results/h200", "figures")      # -> list of the PNG paths written
+    regenerate("results/nvidia-h200", "figures")      # -> list of the PNG paths written
 
-Inputs: `results/h200/bench_{op}_{suite}.csv` (schema `bench.CSV_COLUMNS`) and, for the measured
-ceilings, `results/h200/spec_baselines.json`. An op or suite whose CSV is absent is skipped with a
+Inputs: `results/<gpu>/bench_{op}_{suite}.csv` (schema `bench.CSV_COLUMNS`) and, for the measured
+ceilings, `results/<gpu>/spec_baselines.json`. An op or suite whose CSV is absent is skipped with a
 message; nothing else is read. Output PNGs are deterministic: the same CSVs and the same
 matplotlib give byte-identical files (no software tag or timestamp in the PNG, fixed rcParams),
 so a test can check that `figures/` is what the committed data regenerates.
@@ -27,11 +27,12 @@ import statistics
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .bench import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S, RESULTS_DIR, csv_path, read_csv
+from ._extras import require
+from ._paths import FIGURES_DIR, RECORDED_RESULTS_DIR
+from .bench import csv_path, read_csv
+from .ceilings import H200
 from .workloads import OPS, SUITES
 
-REPO_ROOT = RESULTS_DIR.parent.parent
-FIGURES_DIR = REPO_ROOT / "figures"
 OURS = "altup_cupy"  # the implementation every speedup is measured for
 OP_TITLES = {"collapse": "collapse forward", "predict_correct_backward": "predict-correct backward"}
 # Fixed colours for the known implementations (the legend keeps a stable look across runs);
@@ -124,7 +125,7 @@ def parse_rows(rows: Iterable[dict]) -> list[dict]:
     return out
 
 
-def load_results(results_dir: Path | str = RESULTS_DIR, log: Callable[[str], None] = print
+def load_results(results_dir: Path | str = RECORDED_RESULTS_DIR, log: Callable[[str], None] = print
                  ) -> dict[tuple[str, str], list[dict]]:
     """{(op, suite): parsed rows} for every CSV present; absent ones are reported and skipped."""
     found = {}
@@ -142,20 +143,14 @@ def load_results(results_dir: Path | str = RESULTS_DIR, log: Callable[[str], Non
     return found
 
 
-def load_ceilings(results_dir: Path | str = RESULTS_DIR) -> dict:
-    """Datasheet and measured H200 ceilings; the measured ones from spec_baselines.json if present."""
-    ceilings = {"datasheet_tflops": H200_BF16_FLOPS / 1e12, "datasheet_tbps": H200_HBM_BYTES_PER_S / 1e12,
-                "measured_tflops": None, "measured_tbps": None, "measured_on": None}
+def load_ceilings(results_dir: Path | str = RECORDED_RESULTS_DIR) -> dict:
+    """The H200's datasheet and measured ceilings (altup_cupy.ceilings), in TFLOP/s and TB/s, and
+    where the measured ones were taken (from spec_baselines.json, if present)."""
     path = Path(results_dir) / "spec_baselines.json"
-    if path.is_file():
-        data = json.loads(path.read_text())
-        c = data.get("ceilings", {})
-        ceilings["measured_tflops"] = c.get("bf16_gemm_8192cubed_TFLOPs")
-        ceilings["measured_tbps"] = c.get("device_copy_TBps")
-        ceilings["datasheet_tflops"] = c.get("datasheet_bf16_dense_TFLOPs", ceilings["datasheet_tflops"])
-        ceilings["datasheet_tbps"] = c.get("datasheet_hbm_TBps", ceilings["datasheet_tbps"])
-        ceilings["measured_on"] = data.get("measured_on")
-    return ceilings
+    measured_on = json.loads(path.read_text()).get("measured_on") if path.is_file() else None
+    return {"datasheet_tflops": H200.bf16_flops / 1e12, "datasheet_tbps": H200.hbm_bytes_per_s / 1e12,
+            "measured_tflops": H200.cublas_bf16_flops / 1e12, "measured_tbps": H200.copy_bytes_per_s / 1e12,
+            "measured_on": measured_on}
 
 
 def provenance(rows: Sequence[dict]) -> str:
@@ -286,11 +281,10 @@ def plot_roofline(results: dict, ceilings: dict, path: Path) -> Path | None:
     ax.plot(xs, [min(ceilings["datasheet_tflops"], ceilings["datasheet_tbps"] * x) for x in xs],
             color="black", lw=1.8,
             label=f"datasheet: {ceilings['datasheet_tflops']:.1f} TFLOP/s bf16, {ceilings['datasheet_tbps']:.1f} TB/s HBM3e")
-    if ceilings["measured_tflops"] and ceilings["measured_tbps"]:
-        ax.plot(xs, [min(ceilings["measured_tflops"], ceilings["measured_tbps"] * x) for x in xs],
-                color="black", lw=1.4, ls="--",
-                label=f"measured: {ceilings['measured_tflops']:.1f} TFLOP/s (cuBLAS 8192³), "
-                      f"{ceilings['measured_tbps']:.2f} TB/s (device copy)")
+    ax.plot(xs, [min(ceilings["measured_tflops"], ceilings["measured_tbps"] * x) for x in xs],
+            color="black", lw=1.4, ls="--",
+            label=f"measured: {ceilings['measured_tflops']:.1f} TFLOP/s (cuBLAS 8192³), "
+                  f"{ceilings['measured_tbps']:.2f} TB/s (device copy)")
     ridge = ceilings["datasheet_tflops"] / ceilings["datasheet_tbps"]
     ax.axvline(ridge, color="black", lw=0.6, ls=":")
     for op, suite in sorted(results):
@@ -453,10 +447,10 @@ def plot_speedup(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path 
     return _save(fig, path)
 
 
-def regenerate(results_dir: Path | str = RESULTS_DIR, out_dir: Path | str = FIGURES_DIR,
+def regenerate(results_dir: Path | str = RECORDED_RESULTS_DIR, out_dir: Path | str = FIGURES_DIR,
                log: Callable[[str], None] = print) -> list[Path]:
     """Write every figure that the CSVs in `results_dir` support into `out_dir`; return the paths."""
-    import matplotlib
+    matplotlib = require("matplotlib", "figures")
 
     matplotlib.use("Agg", force=True)
     results_dir, out_dir = Path(results_dir), Path(out_dir)

@@ -16,7 +16,8 @@ from typing import Sequence
 
 from ._build import KERNELS_DIR
 from ._device import gpu_status
-from .bench import RESULTS_DIR, csv_path, read_csv
+from ._paths import RECORDED_RESULTS_DIR, REPO_ROOT
+from .bench import csv_path, read_csv
 from .figures import parse_rows
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -37,7 +38,7 @@ def mode(verbose: bool = True) -> str:
         else:
             reason = "ALTUP_NOTEBOOK_MODE=cpu" if usable else why
             print(f"CPU mode ({reason}): no live measurement; the tables and figures below replay "
-                  f"the recorded measurements in {RESULTS_DIR.relative_to(PACKAGE_DIR.parent)}/.")
+                  f"the recorded measurements in {_shown(RECORDED_RESULTS_DIR)}/.")
     return chosen
 
 
@@ -85,7 +86,15 @@ def file_header(filename: str) -> str:
     return "\n".join(out)
 
 
-def recorded_rows(op: str, suite: str = "benchmark", results_dir: Path = RESULTS_DIR) -> list[dict]:
+def _shown(path: Path) -> str:
+    """`path` as the notebooks print it: relative to the checkout (or the current directory)."""
+    for base in (REPO_ROOT, Path.cwd()):
+        if base is not None and path.is_relative_to(base):
+            return path.relative_to(base).as_posix()
+    return path.as_posix()
+
+
+def recorded_rows(op: str, suite: str = "benchmark", results_dir: Path = RECORDED_RESULTS_DIR) -> list[dict]:
     """Parsed rows of the recorded CSV, or [] (with a message) if it is absent."""
     path = csv_path(op, suite, results_dir)
     if not path.is_file():

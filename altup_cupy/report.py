@@ -1,8 +1,8 @@
 """Markdown results tables from the recorded CSVs, and the README section built from them.
 
     from altup_cupy import report
-    print(report.markdown_tables("results/h200"))      # every op and suite present
-    report.update_readme("README.md", "results/h200")  # rewrites between the markers only
+    print(report.markdown_tables("results/nvidia-h200"))      # every op and suite present
+    report.update_readme("README.md", "results/nvidia-h200")  # rewrites between the markers only
 
 Per op and suite, one row per workload (sorted by tokens): each implementation's median µs
 (✗ marks a run that fails the tolerance rule), the datasheet speed-of-light time, our % of it,
@@ -19,8 +19,9 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from .bench import RESULTS_DIR, csv_path, read_csv
-from .figures import (FIGURES_DIR, OP_TITLES, OURS, geomean, impl_order, impl_role, parse_rows,
+from ._paths import FIGURES_DIR, RECORDED_RESULTS_DIR
+from .bench import csv_path, read_csv
+from .figures import (OP_TITLES, OURS, geomean, impl_order, impl_role, parse_rows,
                       provenance, workloads_by_tokens)
 from .workloads import OPS, SUITES
 
@@ -108,7 +109,7 @@ def _pct(value: float) -> str:
     return f"{value:.1f}%" if math.isfinite(value) else "—"
 
 
-def markdown_tables(results_dir: Path | str = RESULTS_DIR, heading_level: int = 3) -> str:
+def markdown_tables(results_dir: Path | str = RECORDED_RESULTS_DIR, heading_level: int = 3) -> str:
     """Every op and suite with a CSV in `results_dir`, as markdown; absent ones are named."""
     parts = []
     hashes = "#" * heading_level
@@ -132,7 +133,7 @@ def markdown_tables(results_dir: Path | str = RESULTS_DIR, heading_level: int = 
     return "\n\n".join(parts) + "\n"
 
 
-def readme_section(results_dir: Path | str = RESULTS_DIR, figures_dir: Path | str = FIGURES_DIR,
+def readme_section(results_dir: Path | str = RECORDED_RESULTS_DIR, figures_dir: Path | str = FIGURES_DIR,
                    readme_dir: Path | str | None = None) -> str:
     """The generated README section: the main figures (those present) and every table."""
     figures_dir = Path(figures_dir)
@@ -157,7 +158,7 @@ def replace_between_markers(text: str, section: str, begin: str = BEGIN_MARKER, 
     return text[: start + len(begin)] + "\n" + section.strip("\n") + "\n" + text[stop:]
 
 
-def update_readme(readme: Path | str, results_dir: Path | str = RESULTS_DIR,
+def update_readme(readme: Path | str, results_dir: Path | str = RECORDED_RESULTS_DIR,
                   figures_dir: Path | str = FIGURES_DIR) -> bool:
     """Rewrite the README's section between the markers from the CSVs; True if it changed."""
     readme = Path(readme)

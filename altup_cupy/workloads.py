@@ -1,6 +1,6 @@
-"""The benchmark's workloads, its input distributions and its tolerance rule (SPEC.md section 3).
+"""The benchmark's workloads, its input distributions and its tolerance rule (docs/SPEC.md section 3).
 
-`workloads.json` (shipped in the package, a copy of the spec's) holds the 16 workloads of each
+`workloads.json` (shipped in the package) holds the 16 workloads of each
 op with their tolerances. A second suite, `gemma3n`, uses the real checkpoints' shapes (N = 4,
 H = 2048 for E2B and 2560 for E4B) with the tolerance of the benchmark workload nearest in M.
 """

@@ -1,53 +1,74 @@
 #!/usr/bin/env bash
-# One call on the lent H200: environment, GPU tests, benchmark, notebooks; everything it
-# measures lands under $OUT (default ./gpu_out) for committing under results/h200/. Figures are
-# regenerated from the committed CSVs on the development machine (python -m altup_cupy figures),
-# where matplotlib's version is pinned, so the PNGs match CI's regeneration byte for byte.
-# The notebooks stage needs the wheels of .whl/ (nbclient, ipykernel: carry .whl).
-#   bash scripts/gpu_run.sh [sweep] [bench] [tests] [quickbench] [notebooks]   (default: bench tests notebooks)
-# ALTUP_GIT_SHA names the commit being measured (the device copy has no .git). Each stage runs
-# under a time limit (ALTUP_STAGE_LIMIT_S, default 400 s), so a hung kernel ends its stage, not the call.
+# The GPU checks of altup_cupy on this machine's NVIDIA GPU, in the current Python environment.
+#
+#   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, bench, notebooks, sweep
+#                                           (default: tests bench notebooks)
+#
+# Set up first (README, "Install"): a CUDA build of torch, then pip install -e ".[gpu,dev]".
+# Everything lands in one folder, ALTUP_RESULTS_DIR (default: results/<gpu name>/ of this
+# checkout, e.g. results/nvidia-h200/ on an H200):
+#   run_info.txt         GPU, driver, versions, commit; each stage's exit code and duration
+#   gpu_tests.log        the test suite with ALTUP_REQUIRE_GPU=1 (no GPU test may be skipped)
+#   bench_*.csv          the benchmark of every implementation on every workload, and bench.log
+#                        (figures: figures/ for the H200, <results folder>/figures/ for other GPUs)
+#   notebooks.log        notebooks/*.ipynb executed in place in GPU mode (scripts/execute_notebooks.sh)
+#   sweep_v4.csv, .log   the tuning sweep of backward v4 (Hopper GPUs only)
+# Each stage runs under a time limit of ALTUP_STAGE_LIMIT_S seconds (default 1800), so a hung
+# kernel ends its stage, not the run. Exit code: 0 if every stage passed.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-stages=${*:-bench tests notebooks}
-limit=${ALTUP_STAGE_LIMIT_S:-400}
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/ import the package from the working copy
-status=0
-{
-  echo "git_sha: ${ALTUP_GIT_SHA:-unknown}"
-  echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
-  echo "command: bash scripts/gpu_run.sh $stages"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-  python3 -c "import torch, cupy, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cupy', cupy.__version__)"
-} 2>&1 | tee "$OUT/run_info.txt"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's package, also for scripts/
 
-for stage in $stages; do
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(tests bench notebooks)
+for stage in "${stages[@]}"; do
+  case $stage in
+    tests|bench|notebooks|sweep) ;;
+    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests bench notebooks sweep)" >&2; exit 2 ;;
+  esac
+done
+limit=${ALTUP_STAGE_LIMIT_S:-1800}
+
+if ! gpu=$(python3 -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA GPU'; print(torch.cuda.get_device_name())"); then
+  echo "gpu_run.sh: needs a CUDA GPU visible to torch (a CUDA build of torch; see README, 'Install')" >&2
+  exit 2
+fi
+results=${ALTUP_RESULTS_DIR:-$(python3 -c "import sys; from altup_cupy._paths import results_dir; print(results_dir(sys.argv[1], '.'))" "$gpu")}
+mkdir -p "$results"
+echo "gpu_run.sh: $gpu -> $results"
+
+{
+  echo "git_sha: ${ALTUP_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
+  echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "command: bash scripts/gpu_run.sh ${stages[*]}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+  python3 -c "import sys, torch, cupy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cupy', cupy.__version__)" 2>&1
+} | tee "$results/run_info.txt"
+
+run_stage() {  # run_stage LOG COMMAND...: the command under the time limit, its output also in LOG
+  local log=$1
+  shift
+  timeout "$limit" "$@" 2>&1 | tee "$log"
+  return "${PIPESTATUS[0]}"
+}
+
+status=0
+for stage in "${stages[@]}"; do
   start=$(date +%s)
   case $stage in
-    sweep)
-      timeout "$limit" python3 scripts/sweep_v4.py --out "$OUT/sweep_v4.csv" 2>&1 | tee "$OUT/sweep_v4.log"
-      rc=${PIPESTATUS[0]} ;;
     tests)
-      ALTUP_REQUIRE_GPU=1 timeout "$limit" python3 -m pytest tests -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
-      rc=${PIPESTATUS[0]} ;;
+      ALTUP_REQUIRE_GPU=1 run_stage "$results/gpu_tests.log" python3 -m pytest tests -v -rs -p no:cacheprovider ;;
     bench)
-      # Into the working copy's results/h200, so the notebooks executed next show these numbers.
-      timeout "$limit" python3 -m altup_cupy bench --suite all --reps 50 --results-dir results/h200 --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
-      rc=${PIPESTATUS[0]}
-      mkdir -p "$OUT/results" && cp results/h200/bench_*.csv "$OUT/results/" ;;
-    quickbench)
-      timeout "$limit" python3 -m altup_cupy bench --suite benchmark --limit 4 --reps 30 --results-dir "$OUT/quick" --figures-dir /tmp/figures 2>&1 | tee "$OUT/bench.log"
-      rc=${PIPESTATUS[0]} ;;
+      run_stage "$results/bench.log" python3 -m altup_cupy bench --suite all --reps 50 --results-dir "$results" ;;
     notebooks)
-      OUT="$OUT/notebooks" timeout "$limit" bash scripts/execute_notebooks.sh 2>&1 | tee "$OUT/notebooks.log"
-      rc=${PIPESTATUS[0]} ;;
-    *) echo "unknown stage $stage"; rc=2 ;;
+      ALTUP_NOTEBOOK_MODE=gpu run_stage "$results/notebooks.log" bash scripts/execute_notebooks.sh ;;
+    sweep)
+      run_stage "$results/sweep_v4.log" python3 scripts/sweep_v4.py --out "$results/sweep_v4.csv" ;;
   esac
-  echo "== stage $stage: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/run_info.txt"
+  rc=$?
+  [ "$rc" -ne 124 ] || echo "stage $stage: stopped after ALTUP_STAGE_LIMIT_S=$limit s"
+  echo "== stage $stage: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$results/run_info.txt"
   [ "$rc" -eq 0 ] || status=1
 done
-# At most 8 files come back: pack the folders.
-(cd "$OUT" && for d in results notebooks quick; do [ -d "$d" ] && tar czf "$d.tar.gz" "$d" && rm -rf "$d"; done; ls -la)
 exit $status

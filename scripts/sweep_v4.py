@@ -4,7 +4,7 @@ on workloads spanning the token counts of both suites, beside v3 and the copy fl
 Each plan is first checked against the float64 reference under the benchmark's rule (all six
 outputs), then timed by the benchmark's own method (bench.time_us: L2 flushed before each call,
 warm-up, median). Prints a table and writes CSV rows; the default plan (v4_launch_plan) is chosen
-from what this measures (results/h200/NOTES.md).
+from what this measures (results/nvidia-h200/NOTES.md).
 
     python3 scripts/sweep_v4.py [--reps 30] [--out sweep_v4.csv]
 """
@@ -19,9 +19,9 @@ import sys
 import torch
 
 from altup_cupy.bench import run_info, time_us
-from altup_cupy.benchmarks.predict_correct import PREDICT_CORRECT_BACKWARD as BENCH, ARG_NAMES
-from altup_cupy.predict_correct import (predict_correct_backward, v4_launch_plan, v4_plan_override,
-                                        v4_stage_choices)
+from altup_cupy.benchmarks.predict_correct_backward import PREDICT_CORRECT_BACKWARD as BENCH, ARG_NAMES
+from altup_cupy import predict_correct_backward
+from altup_cupy.ops.predict_correct_backward_versions import v4_launch_plan, v4_plan_override, v4_stage_choices
 from altup_cupy.workloads import tolerance_report, workloads
 
 TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite

@@ -12,6 +12,7 @@ import torch
 
 from altup_cupy import _sources, collapse
 from altup_cupy._launch import PackedLaunch
+from altup_cupy.check import oracle_bound
 from altup_cupy.ops import collapse_versions
 from altup_cupy.reference import collapse_reference
 from altup_cupy.workloads import benchmark_workloads, collapse_inputs, tolerance_report
@@ -21,7 +22,6 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 ATOL, RTOL, EPS = 1e-5, 0.05, 1e-5  # the collapse's tolerances in workloads.json
 ROUNDS = 3
-ORACLE_FACTOR, ORACLE_FLOOR = 2.0, 1e-6
 WORKLOADS = benchmark_workloads("collapse")
 
 
@@ -49,7 +49,7 @@ def _check(out, hs, ws, eps, atol=ATOL, rtol=RTOL, what=""):
     ref32 = collapse_reference(hs, ws, eps, dtype=torch.float32).to(BF16)
     report = tolerance_report(out, ref64, atol, rtol)
     oracle = tolerance_report(ref32, ref64, atol, rtol)
-    bound = max(ORACLE_FACTOR * oracle.rel_l2, ORACLE_FLOOR)
+    bound = oracle_bound(oracle.rel_l2)
     print(f"{what}: match {report.match_ratio:.6f}  rel_l2 {report.rel_l2:.3e}  "
           f"(fp32 torch {oracle.rel_l2:.3e}, bound {bound:.3e})")
     assert report.finite, f"{what}: NaN or Inf in the output"

@@ -1,4 +1,4 @@
-"""The float64 reference of the collapse (SPEC.md section 1) and the tolerance rule (section 3).
+"""The float64 reference of the collapse (docs/SPEC.md section 1) and the tolerance rule (section 3).
 
 `collapse_reference` (torch, batched matmuls) is checked against an independent numpy
 formulation written per row with explicit loops; eps clamping is exercised on purpose; the
@@ -19,7 +19,7 @@ from altup_cupy.workloads import MIN_MATCH_RATIO, tolerance_report
 
 
 def collapse_rowwise_numpy(hs: np.ndarray, ws: list[np.ndarray], eps: float) -> np.ndarray:
-    """SPEC.md section 1 row by row, in numpy float64, sums written as explicit dot products."""
+    """docs/SPEC.md section 1 row by row, in numpy float64, sums written as explicit dot products."""
     n, b, s, h = hs.shape
     out = np.empty((b, s, h), dtype=np.float64)
     for bi in range(b):

@@ -18,7 +18,7 @@ from . import cupy_cublas, versions
 
 def collapse_bf16_gemm_torch(hidden_states, unembed_projs, eps: float):
     """What a plain bf16 model computes: bf16 GEMM outputs, fp32 epilogue. Fails the tolerance
-    (SPEC.md section 1: rounding y_k to bf16 leaves ~98.7% of elements within it)."""
+    (docs/SPEC.md section 1: rounding y_k to bf16 leaves ~98.7% of elements within it)."""
     streams = hidden_states.shape[0]
     s0 = hidden_states[0].float()
     target = s0.square().mean(dim=-1, keepdim=True).sqrt()

@@ -1,4 +1,4 @@
-"""Plain PyTorch implementations of SPEC.md, written for clarity, in any floating dtype.
+"""Plain PyTorch implementations of docs/SPEC.md, written for clarity, in any floating dtype.
 
 In float64 they are the references every kernel is checked against; in float32 they are the
 "plain PyTorch implementation at working precision" of the accuracy oracle and the eager
@@ -8,7 +8,7 @@ baselines of the benchmark. They run on whatever device their inputs are on.
 from .collapse import collapse_reference
 from .predict_correct import (
     BackwardStages,
-    PredictCorrectGradsRef,
+    PredictCorrectGrads,
     predict_correct_autograd,
     predict_correct_backward_one_reduction,
     predict_correct_backward_reference,
@@ -24,5 +24,5 @@ __all__ = [
     "predict_correct_backward_stages",
     "predict_correct_autograd",
     "BackwardStages",
-    "PredictCorrectGradsRef",
+    "PredictCorrectGrads",
 ]

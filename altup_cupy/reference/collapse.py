@@ -1,4 +1,4 @@
-"""The collapse forward (SPEC.md section 1) in plain PyTorch."""
+"""The collapse forward (docs/SPEC.md section 1) in plain PyTorch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The AltUp predict + correct step (SPEC.md section 2) and its backward, in plain PyTorch.
+"""The AltUp predict + correct step (docs/SPEC.md section 2) and its backward, in plain PyTorch.
 
 Forward, per token t (h_j = hidden_states[j, t], x = activated[t], a = active_idx):
 
@@ -33,18 +33,22 @@ are the plain PyTorch implementation (eager baseline, accuracy oracle). They run
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 
-class PredictCorrectGradsRef(NamedTuple):
-    grad_hidden_states: torch.Tensor  # [N, B, S, H]
-    grad_activated: torch.Tensor  # [B, S, H]
-    grad_prediction_coefs: torch.Tensor  # [N*N, N]
-    grad_correction_coefs: torch.Tensor  # [N, N]
-    grad_router_weight: torch.Tensor  # [N, H]
-    grad_norm_weight: torch.Tensor  # [H]
+class PredictCorrectGrads(NamedTuple):
+    """The six gradients of the predict-correct backward, in the caller's array type (torch
+    tensors or CuPy arrays). The kernels return bf16 activation gradients and fp32 weight
+    gradients; the references return their computation dtype."""
+
+    grad_hidden_states: Any  # [N, B, S, H]
+    grad_activated: Any  # [B, S, H]
+    grad_prediction_coefs: Any  # [N*N, N]
+    grad_correction_coefs: Any  # [N, N]
+    grad_router_weight: Any  # [N, H]
+    grad_norm_weight: Any  # [H]
 
 
 def _route(x, router_weight, norm_weight, eps):
@@ -126,8 +130,8 @@ class BackwardStages:
     grad_router_weight: torch.Tensor  # [N, H]
     grad_norm_weight: torch.Tensor  # [H]
 
-    def grads(self) -> PredictCorrectGradsRef:
-        return PredictCorrectGradsRef(self.grad_hidden_states, self.grad_activated,
+    def grads(self) -> PredictCorrectGrads:
+        return PredictCorrectGrads(self.grad_hidden_states, self.grad_activated,
                                       self.grad_prediction_coefs, self.grad_correction_coefs,
                                       self.grad_router_weight, self.grad_norm_weight)
 
@@ -198,8 +202,8 @@ def predict_correct_backward_stages(grad_corrected, hidden_states, activated, pr
 def predict_correct_backward_reference(grad_corrected, hidden_states, activated, prediction_coefs,
                                        correction_coefs, router_weight, norm_weight,
                                        active_idx: int = 0, eps: float = 1e-6,
-                                       dtype: torch.dtype = torch.float64) -> PredictCorrectGradsRef:
-    """The six gradients of SPEC.md section 2 in `dtype` (not rounded to the contract dtypes)."""
+                                       dtype: torch.dtype = torch.float64) -> PredictCorrectGrads:
+    """The six gradients of docs/SPEC.md section 2 in `dtype` (not rounded to the contract dtypes)."""
     return predict_correct_backward_stages(grad_corrected, hidden_states, activated,
                                            prediction_coefs, correction_coefs, router_weight,
                                            norm_weight, active_idx, eps, dtype).grads()
@@ -208,7 +212,7 @@ def predict_correct_backward_reference(grad_corrected, hidden_states, activated,
 def predict_correct_autograd(grad_corrected, hidden_states, activated, prediction_coefs,
                              correction_coefs, router_weight, norm_weight, active_idx: int = 0,
                              eps: float = 1e-6, dtype: torch.dtype = torch.float64
-                             ) -> PredictCorrectGradsRef:
+                             ) -> PredictCorrectGrads:
     """The six gradients by torch.autograd through `predict_correct_forward` in `dtype`."""
     leaves = [t.detach().to(dtype).requires_grad_(True)
               for t in (hidden_states, activated, prediction_coefs, correction_coefs,
@@ -216,16 +220,16 @@ def predict_correct_autograd(grad_corrected, hidden_states, activated, predictio
     with torch.enable_grad():
         corrected = predict_correct_forward(*leaves, active_idx=active_idx, eps=eps, dtype=dtype)
         grads = torch.autograd.grad(corrected, leaves, grad_outputs=grad_corrected.to(dtype))
-    return PredictCorrectGradsRef(*grads)
+    return PredictCorrectGrads(*grads)
 
 
 def predict_correct_backward_one_reduction(grad_corrected, hidden_states, activated,
                                            prediction_coefs, correction_coefs, router_weight,
                                            norm_weight, active_idx: int = 0, eps: float = 1e-6,
                                            dtype: torch.dtype = torch.float64
-                                           ) -> PredictCorrectGradsRef:
+                                           ) -> PredictCorrectGrads:
     """The backward as kernel v3 computes it: ONE set of per-token dot products of the raw rows,
-    then per-token scalars, then fixed linear maps of the rows (SPEC.md section 2's math,
+    then per-token scalars, then fixed linear maps of the rows (docs/SPEC.md section 2's math,
     reorganised; `predict_correct_backward_v3` in kernels/predict_correct_backward_v3.cu follows it
     line by line).
 
@@ -281,4 +285,4 @@ def predict_correct_backward_one_reduction(grad_corrected, hidden_states, activa
     S = tokens(r_p * gz_p).T @ tokens(h[a]) + tokens(r_c * gz_c).T @ tokens(x)  # [N, H]
     grad_P = tokens(dC.flatten(-2)).T @ tokens(m_p)
     grad_Q = tokens(gk).T @ tokens(m_c)
-    return PredictCorrectGradsRef(grad_h, grad_x, grad_P, grad_Q, w * S / hidden, (R * S).sum(0) / hidden)
+    return PredictCorrectGrads(grad_h, grad_x, grad_P, grad_Q, w * S / hidden, (R * S).sum(0) / hidden)
