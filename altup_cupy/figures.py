@@ -3,27 +3,36 @@
     from altup_cupy.figures import regenerate
     regenerate("results/nvidia-h200", "figures")      # -> list of the PNG paths written
 
-Inputs: `results/<gpu>/bench_{op}_{suite}.csv` (schema `bench.CSV_COLUMNS`) and, for the measured
-ceilings, `results/<gpu>/spec_baselines.json`. An op or suite whose CSV is absent is skipped with a
-message; nothing else is read. Output PNGs are deterministic: the same CSVs and the same
+Inputs: `results/<gpu>/bench_{op}_{suite}.csv` (schema `bench.CSV_COLUMNS`); the ceilings come from
+`altup_cupy.ceilings`. An op or suite whose CSV is absent is skipped with a message; nothing else
+is read. Output PNGs are deterministic: the same CSVs and the same
 matplotlib give byte-identical files (no software tag or timestamp in the PNG, fixed rcParams),
 so a test can check that `figures/` is what the committed data regenerates.
 
 Figures (one file each):
-- `roofline.png`: the H200 roofline, log-log, datasheet and measured ceilings, every row of every
-  CSV placed at (FLOP / compulsory byte, achieved TFLOP/s).
+- `roofline.png`: left, the H200 roofline, log-log, datasheet and measured ceilings, every row of
+  the ops that reach the compute roof placed at (FLOP / compulsory byte, achieved TFLOP/s); right,
+  the ops that are memory-bound on every workload (their FLOP count is nominal) placed by bytes:
+  (compulsory bytes of the workload, achieved TB/s) under the HBM and copy ceilings.
 - `latency_{op}_{suite}.png`: median latency (p10..p90 bars) against tokens, every implementation,
   with the speed-of-light time; one panel per (N, H).
 - `pct_sol_{op}_{suite}.png`: % of the datasheet speed of light per workload, every implementation.
 - `speedup_{op}_{suite}.png`: our kernel's speedup over each PyTorch baseline per workload
   (hatched where that baseline fails the tolerance rule).
+- `bandwidth_{op}_{suite}.png` (memory-bound ops only): achieved TB/s of compulsory traffic
+  against tokens for every version of our kernel and the copy floor, under the measured copy rate.
+
+Colours are derived, not listed: our versions are shades of one red by version number (the default
+darkest), baselines and floors take palette entries by name, so a new version or baseline needs no
+edit here.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import re
 import statistics
+import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -35,23 +44,21 @@ from .workloads import OPS, SUITES
 
 OURS = "altup_cupy"  # the implementation every speedup is measured for
 OP_TITLES = {"collapse": "collapse forward", "predict_correct_backward": "predict-correct backward"}
-# Fixed colours for the known implementations (the legend keeps a stable look across runs);
-# unknown names get the remaining palette entries in sorted order.
-IMPL_COLORS = {
-    "altup_cupy": "#d62728",
-    "altup_cupy_v1": "#ff9896",
-    "altup_cupy_v2": "#e377c2",
-    "altup_cupy_v3": "#ff7f0e",
-    "torch_eager_fp32": "#1f77b4",
-    "torch_eager_bf16gemm": "#9467bd",
-    "torch_compile_bf16gemm": "#8c564b",
-    "torch_eager": "#2ca02c",
-    "torch_autograd": "#17becf",
-    "torch_compile": "#bcbd22",
-    "cublas_gemms_fp32out": "#7f7f7f",
-    "copy_floor": "#404040",
+# What each baseline is, for legends (an implementation without an entry is shown by its name).
+IMPL_DESCRIPTIONS = {
+    "torch_eager_fp32": "PyTorch eager fp32 = CUDA-core fp32 GEMMs",
+    "torch_eager_bf16gemm": "PyTorch eager, bf16-output GEMMs",
+    "torch_compile_bf16gemm": "torch.compile, bf16-output GEMMs",
+    "cublas_gemms_fp32out": "cuBLAS bf16->fp32 GEMMs alone",
+    "torch_eager": "PyTorch eager fp32, derived backward",
+    "torch_autograd": "PyTorch autograd fp32",
+    "torch_compile": "torch.compile of the fp32 backward",
+    "copy_floor": "device copy of the compulsory bytes",
 }
-_SPARE_COLORS = ("#98df8a", "#c5b0d5", "#aec7e8", "#ffbb78", "#393b79")
+_BASELINE_PALETTE = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22", "#e377c2", "#aec7e8")
+_FLOOR_PALETTE = ("#404040", "#7f7f7f", "#a6a6a6")
+_OURS_COLORMAP = "Reds"
+_VERSION_PATTERN = re.compile(rf"^{OURS}_v(\d+)$")
 OP_MARKERS = {"collapse": "o", "predict_correct_backward": "s"}
 DPI = 110
 _RC = {
@@ -82,15 +89,21 @@ def impl_role(impl: str) -> str:
     return "floor"
 
 
+def impl_version(impl: str) -> int | None:
+    """N for an earlier version kept in the benchmark (`altup_cupy_vN`), else None (the default
+    `altup_cupy` dispatches to the newest version that supports the shape)."""
+    match = _VERSION_PATTERN.match(impl)
+    return int(match.group(1)) if match else None
+
+
 def impl_label(impl: str) -> str:
     role = impl_role(impl)
     if impl == OURS:
-        return f"{impl} (ours)"
+        return f"{impl} (ours, default)"
     if role == "ours":
-        return f"{impl} (ours, earlier version)"
-    if role == "floor":
-        return f"{impl} (floor, unchecked)"
-    return impl
+        return f"{impl} (ours, version {impl_version(impl)})" if impl_version(impl) else f"{impl} (ours)"
+    text = f"{impl}: {IMPL_DESCRIPTIONS[impl]}" if impl in IMPL_DESCRIPTIONS else impl
+    return f"{text} (floor, unchecked)" if role == "floor" else text
 
 
 def _float(value) -> float:
@@ -143,16 +156,6 @@ def load_results(results_dir: Path | str = RECORDED_RESULTS_DIR, log: Callable[[
     return found
 
 
-def load_ceilings(results_dir: Path | str = RECORDED_RESULTS_DIR) -> dict:
-    """The H200's datasheet and measured ceilings (altup_cupy.ceilings), in TFLOP/s and TB/s, and
-    where the measured ones were taken (from spec_baselines.json, if present)."""
-    path = Path(results_dir) / "spec_baselines.json"
-    measured_on = json.loads(path.read_text()).get("measured_on") if path.is_file() else None
-    return {"datasheet_tflops": H200.bf16_flops / 1e12, "datasheet_tbps": H200.hbm_bytes_per_s / 1e12,
-            "measured_tflops": H200.cublas_bf16_flops / 1e12, "measured_tbps": H200.copy_bytes_per_s / 1e12,
-            "measured_on": measured_on}
-
-
 def provenance(rows: Sequence[dict]) -> str:
     """'NVIDIA H200, 2026-12-02, git abc123' from the rows' gpu, date and git_sha columns."""
     gpus = sorted({r.get("gpu", "") for r in rows if r.get("gpu")})
@@ -174,12 +177,27 @@ def impl_order(rows: Sequence[dict]) -> list[str]:
 
 
 def color_map(impls: Iterable[str]) -> dict[str, str]:
-    colors, spare = {}, list(_SPARE_COLORS)
-    for name in sorted(set(impls)):
-        if name in IMPL_COLORS:
-            colors[name] = IMPL_COLORS[name]
-        else:
-            colors[name] = spare.pop(0) if spare else "#333333"
+    """A colour per implementation: ours in shades of red (older versions lighter, the default the
+    darkest), PyTorch baselines and floors from their palettes by a hash of the name (the next free
+    entry on a collision, in name order), so colours follow the names, not a hand-kept list."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    names = sorted(set(impls))
+    ours = sorted((n for n in names if impl_role(n) == "ours"),
+                  key=lambda n: (n == OURS, impl_version(n) or 0, n))
+    shades = colormaps[_OURS_COLORMAP]
+    colors = {n: to_hex(shades(0.35 + 0.55 * i / max(1, len(ours) - 1))) for i, n in enumerate(ours)}
+    for role, palette in (("pytorch", _BASELINE_PALETTE), ("floor", _FLOOR_PALETTE)):
+        taken: set[int] = set()
+        for name in (n for n in names if impl_role(n) == role):
+            slot = zlib.crc32(name.encode()) % len(palette)
+            for step in range(len(palette)):
+                if (slot + step) % len(palette) not in taken:
+                    slot = (slot + step) % len(palette)
+                    break
+            taken.add(slot)
+            colors[name] = palette[slot]
     return colors
 
 
@@ -238,21 +256,35 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _legend_outside(ax, handles=None, labels=None):
+    """A legend right of the axes, so that it never covers data (the saved figure grows to fit)."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+              framealpha=0.92)
+
+
+def _fastest_rows(rows: Sequence[dict], column: str) -> dict[tuple, dict]:
+    """{(op, workload): its row with the largest `column` (> 0)}. The CSV rounds tflops to
+    0.1 TFLOP/s and tbps to 0.001 TB/s, so the fastest row holds the most digits of the workload's
+    FLOP or byte count (column x median_us)."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["op"], r["workload"])
+        if r[column] > 0 and r["median_us"] > 0 and (key not in best or r[column] > best[key][column]):
+            best[key] = r
+    return best
+
+
 def roofline_points(rows: Sequence[dict]) -> list[tuple[dict, float, float]]:
     """(row, FLOP per compulsory byte, achieved TFLOP/s) for every row that can be placed.
 
     A workload's FLOP count and intensity are the same for all its implementations; both are taken
-    from its row with the largest tflops (the CSV rounds tflops to 0.1 TFLOP/s and tbps to
-    0.001 TB/s, so the fastest row holds the most digits): FLOP = tflops * median_us * 1e6,
-    intensity = tflops / tbps. Each row's throughput is then FLOP / its own median_us, which keeps
-    slow baselines (whose own tflops may round to 0.0) exact. Rows of a workload whose tflops are
-    all 0 or missing (no FLOP count) are not placed.
+    from its fastest row: FLOP = tflops * median_us * 1e6, intensity = tflops / tbps. Each row's
+    throughput is then FLOP / its own median_us, which keeps slow baselines (whose own tflops may
+    round to 0.0) exact. Rows of a workload without a FLOP count are not placed.
     """
-    best: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["op"], r["workload"])
-        if r["tflops"] > 0 and r["tbps"] > 0 and (key not in best or r["tflops"] > best[key]["tflops"]):
-            best[key] = r
+    best = {k: r for k, r in _fastest_rows(rows, "tflops").items() if r["tbps"] > 0}
     points = []
     for r in rows:
         ref = best.get((r["op"], r["workload"]))
@@ -263,76 +295,135 @@ def roofline_points(rows: Sequence[dict]) -> list[tuple[dict, float, float]]:
     return points
 
 
-def plot_roofline(results: dict, ceilings: dict, path: Path) -> Path | None:
+def bandwidth_points(rows: Sequence[dict]) -> list[tuple[dict, float, float]]:
+    """(row, compulsory bytes of its workload, achieved TB/s) for every row that can be placed;
+    the byte count from the workload's fastest row, the rate from each row's own median_us."""
+    best = _fastest_rows(rows, "tbps")
+    points = []
+    for r in rows:
+        ref = best.get((r["op"], r["workload"]))
+        if ref is None or not r["median_us"] > 0:
+            continue
+        nbytes = ref["tbps"] * ref["median_us"] * 1e6
+        points.append((r, nbytes, nbytes / r["median_us"] / 1e6))
+    return points
+
+
+def memory_bound_ops(rows: Sequence[dict]) -> set[str]:
+    """The ops below the datasheet ridge point on every workload (or without a FLOP count): their
+    FLOP count does not bound them, so they are shown by bytes."""
+    ridge = H200.bf16_flops / H200.hbm_bytes_per_s
+    reaches_roof = {r["op"] for r, intensity, _ in roofline_points(rows) if intensity >= ridge}
+    return {r["op"] for r, _, _ in bandwidth_points(rows)} - reaches_roof
+
+
+def _scatter_by_impl(ax, results: dict, points: list, impls: Sequence[str], colors: dict) -> None:
+    for op, suite in sorted(results):
+        for impl in impls:
+            pts = [(x, y) for r, x, y in points if (r["op"], r["suite"], r["impl"]) == (op, suite, impl)]
+            if pts:
+                filled = suite == "benchmark"
+                ax.scatter([x for x, _ in pts], [y for _, y in pts], marker=OP_MARKERS.get(op, "^"), s=34,
+                           linewidths=1.1, facecolors=colors[impl] if filled else "none",
+                           edgecolors=colors[impl], alpha=0.9, zorder=3)
+
+
+def _roofline_panel(ax, results: dict, points: list, impls: Sequence[str], colors: dict) -> None:
+    """FLOP/s against FLOP per byte under the datasheet and measured ceilings."""
+    peak, bw = H200.bf16_flops / 1e12, H200.hbm_bytes_per_s / 1e12
+    measured_peak, measured_bw = H200.cublas_bf16_flops / 1e12, H200.copy_bytes_per_s / 1e12
+    ridge = peak / bw
+    intensity = [x for _, x, _ in points]
+    lo = 10 ** math.floor(math.log10(min(min(intensity), ridge) / 2))
+    hi = 10 ** math.ceil(math.log10(max(max(intensity), ridge) * 4))
+    xs = [lo * (hi / lo) ** (i / 400) for i in range(401)]
+    ax.plot(xs, [min(peak, bw * x) for x in xs], color="black", lw=1.8,
+            label=f"datasheet: {peak:.1f} TFLOP/s bf16, {bw:.1f} TB/s HBM3e")
+    ax.plot(xs, [min(measured_peak, measured_bw * x) for x in xs], color="black", lw=1.4, ls="--",
+            label=f"measured: {measured_peak:.1f} TFLOP/s (cuBLAS 8192³), {measured_bw:.2f} TB/s (device copy)")
+    ax.axvline(ridge, color="black", lw=0.6, ls=":")
+    _scatter_by_impl(ax, results, points, impls, colors)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ymin = 10 ** math.floor(math.log10(min(y for _, _, y in points) / 2))
+    ax.set_ylim(ymin, peak * 3)
+    # Label on the ridge line, above the roof (nothing is plotted there).
+    ax.annotate(f"ridge point\n{ridge:.0f} FLOP/B", (ridge, peak * 1.15), xytext=(-6, 0),
+                textcoords="offset points", ha="right", va="bottom", fontsize=9,
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "0.6"})
+    ax.set_xlabel("arithmetic intensity (FLOP per compulsory byte of HBM traffic)")
+    ax.set_ylabel("achieved throughput (TFLOP/s)")
+    ax.set_title("FLOP view (ops that reach the compute roof)")
+
+
+def _bytes_panel(ax, results: dict, points: list, impls: Sequence[str], colors: dict) -> None:
+    """TB/s against the workload's compulsory bytes under the datasheet and copy bandwidths."""
+    bw, copy = H200.hbm_bytes_per_s / 1e12, H200.copy_bytes_per_s / 1e12
+    ax.axhline(bw, color="black", lw=1.8, label=f"datasheet HBM3e: {bw:.1f} TB/s")
+    ax.axhline(copy, color="black", lw=1.4, ls="--", label=f"measured device copy: {copy:.2f} TB/s")
+    _scatter_by_impl(ax, results, [(r, x / 1e6, y) for r, x, y in points], impls, colors)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ymin = 10 ** math.floor(math.log10(min(y for _, _, y in points) / 2))
+    ax.set_ylim(ymin, bw * 3)
+    ax.set_xlabel("compulsory HBM traffic of the workload (MB)")
+    ax.set_ylabel("achieved bandwidth (TB/s of compulsory bytes)")
+    ax.set_title("byte view (memory-bound ops: the FLOP count is nominal)")
+
+
+def plot_roofline(results: dict, path: Path) -> Path | None:
     plt = _pyplot()
     rows = [r for rs in results.values() for r in rs]
-    points = roofline_points(rows)
-    placed = [p[0] for p in points]
-    unplaced = len(rows) - len(placed)
+    memory_ops = memory_bound_ops(rows)
+    flop_points = [p for p in roofline_points(rows) if p[0]["op"] not in memory_ops]
+    byte_points = [p for p in bandwidth_points(rows) if p[0]["op"] in memory_ops]
+    placed = [p[0] for p in flop_points + byte_points]
     if not placed:
         return None
     impls = impl_order(placed)
     colors = color_map(impls)
-    intensity = [x for _, x, _ in points]  # FLOP per compulsory byte
-    lo = 10 ** math.floor(math.log10(min(intensity) / 2))
-    hi = 10 ** math.ceil(math.log10(max(max(intensity) * 2, ceilings["datasheet_tflops"] / ceilings["datasheet_tbps"] * 4)))
-    fig, ax = plt.subplots(figsize=(10, 6.8))
-    xs = [lo * (hi / lo) ** (i / 400) for i in range(401)]
-    ax.plot(xs, [min(ceilings["datasheet_tflops"], ceilings["datasheet_tbps"] * x) for x in xs],
-            color="black", lw=1.8,
-            label=f"datasheet: {ceilings['datasheet_tflops']:.1f} TFLOP/s bf16, {ceilings['datasheet_tbps']:.1f} TB/s HBM3e")
-    ax.plot(xs, [min(ceilings["measured_tflops"], ceilings["measured_tbps"] * x) for x in xs],
-            color="black", lw=1.4, ls="--",
-            label=f"measured: {ceilings['measured_tflops']:.1f} TFLOP/s (cuBLAS 8192³), "
-                  f"{ceilings['measured_tbps']:.2f} TB/s (device copy)")
-    ridge = ceilings["datasheet_tflops"] / ceilings["datasheet_tbps"]
-    ax.axvline(ridge, color="black", lw=0.6, ls=":")
-    for op, suite in sorted(results):
-        for impl in impls:
-            pts = [(x, y) for r, x, y in points if (r["op"], r["suite"], r["impl"]) == (op, suite, impl)]
-            if not pts:
-                continue
-            filled = suite == "benchmark"
-            ax.scatter([x for x, _ in pts], [y for _, y in pts],
-                       marker=OP_MARKERS.get(op, "^"), s=34, linewidths=1.1,
-                       facecolors=colors[impl] if filled else "none", edgecolors=colors[impl],
-                       alpha=0.9, zorder=3)
-    # Legend: colours = implementations, markers = ops, fill = suite.
+    panels = [(panel, pts) for panel, pts in ((_roofline_panel, flop_points), (_bytes_panel, byte_points)) if pts]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.2 * len(panels), 6.4), squeeze=False)
+    handles, labels = [], []
+    for ax, (panel, pts) in zip(axes[0], panels):
+        panel(ax, results, pts, impls, colors)
+        h, l = ax.get_legend_handles_labels()
+        handles += h
+        labels += l
+    # One legend for both panels: colours = implementations, markers = ops, fill = suite.
     from matplotlib.lines import Line2D
 
-    handles, labels = ax.get_legend_handles_labels()
     for impl in impls:
         handles.append(Line2D([], [], ls="", marker="o", color=colors[impl], markersize=7))
         labels.append(impl_label(impl))
-    for op in sorted({op for op, _ in results}):
+    for op in sorted({r["op"] for r in placed}):
         handles.append(Line2D([], [], ls="", marker=OP_MARKERS.get(op, "^"), color="0.3", markersize=7))
         labels.append(f"marker: {OP_TITLES.get(op, op)}")
     if any(s == "gemma3n" for _, s in results):
         handles.append(Line2D([], [], ls="", marker="o", markerfacecolor="none", color="0.3", markersize=7))
         labels.append("hollow: Gemma 3n shapes (N=4); filled: benchmark workloads")
-    ax.legend(handles, labels, loc="lower right", framealpha=0.92)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ymin = 10 ** math.floor(math.log10(min(y for _, _, y in points) / 2))
-    ax.set_ylim(ymin, ceilings["datasheet_tflops"] * 2)
-    ax.annotate(f"ridge point {ridge:.0f} FLOP/B", (ridge, ymin), textcoords="offset points",
-                xytext=(4, 6), fontsize=8)
-    ax.set_xlabel("arithmetic intensity (FLOP per compulsory byte of HBM traffic)")
-    ax.set_ylabel("achieved throughput (TFLOP/s)")
-    note = f"; {unplaced} rows without a FLOP count not placed" if unplaced else ""
-    ax.set_title(f"H200 roofline: every workload and implementation of both ops\n{provenance(rows)}{note}")
+    _legend_outside(axes[0][-1], handles, labels)
+    unplaced = len(rows) - len(placed)
+    note = f"; {unplaced} rows without a FLOP or byte count not placed" if unplaced else ""
+    fig.suptitle(f"H200: every workload and implementation of every op\n{provenance(rows)}{note}")
+    fig.tight_layout()
     return _save(fig, path)
+
+
+def _per_shape_panels(plt, rows: Sequence[dict]):
+    """One panel per (N, H) of `rows`: [(axis, (N, H), the rows of that shape)] and the figure."""
+    shapes = sorted({(r["N"], r["H"]) for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes) + 1.5, 5.6), squeeze=False)
+    return fig, [(ax, shape, [r for r in rows if (r["N"], r["H"]) == shape]) for ax, shape in zip(axes[0], shapes)]
 
 
 def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
     plt = _pyplot()
     impls = impl_order(rows)
     colors = color_map(impls)
-    shapes = sorted({(r["N"], r["H"]) for r in rows})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes) + 1.5, 5.6), squeeze=False)
-    for ax, (n, h) in zip(axes[0], shapes):
-        sub = [r for r in rows if (r["N"], r["H"]) == (n, h)]
+    fig, panels = _per_shape_panels(plt, rows)
+    for ax, (n, h), sub in panels:
         for impl in impls:
             pts = sorted((r for r in sub if r["impl"] == impl), key=lambda r: r["tokens"])
             if not pts:
@@ -346,9 +437,7 @@ def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
             ax.errorbar(x, y, yerr=err, color=colors[impl], marker="o", ms=4, lw=1.6 if role == "ours" else 1.1,
                         ls=":" if role == "floor" else "-", capsize=2,
                         label=impl_label(impl) + (" [fails tolerance]" if failed else ""))
-        sol = {}
-        for r in sub:
-            sol[r["tokens"]] = r["sol_us"]
+        sol = {r["tokens"]: r["sol_us"] for r in sub}
         xs = sorted(sol)
         ax.plot(xs, [sol[x] for x in xs], color="black", ls="--", lw=1.2, label="speed of light (H200 datasheet)")
         ax.set_xscale("log")
@@ -356,8 +445,41 @@ def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
         ax.set_xlabel("tokens M = batch_size x seq_len")
         ax.set_ylabel("median latency (µs), bars p10..p90")
         ax.set_title(f"N={n}, H={h}")
-    axes[0][-1].legend(loc="upper left", framealpha=0.92)
+    _legend_outside(panels[-1][0])
     fig.suptitle(f"{OP_TITLES.get(op, op)}: latency vs tokens ({suite} suite)\n{provenance(rows)}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_bandwidth(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path | None:
+    """TB/s of compulsory traffic against tokens: every version of ours and the floors, under the
+    datasheet bandwidth and the measured copy rate (the PyTorch baselines are in the latency figure)."""
+    plt = _pyplot()
+    points = [p for p in bandwidth_points(rows) if impl_role(p[0]["impl"]) != "pytorch"]
+    if not any(impl_role(r["impl"]) == "ours" for r, _, _ in points):
+        return None
+    impls = impl_order([r for r, _, _ in points])
+    colors = color_map(impls)
+    rate = {id(r): tbps for r, _, tbps in points}
+    fig, panels = _per_shape_panels(plt, [r for r, _, _ in points])
+    bw, copy = H200.hbm_bytes_per_s / 1e12, H200.copy_bytes_per_s / 1e12
+    for ax, (n, h), sub in panels:
+        ax.axhline(bw, color="black", lw=1.8, label=f"datasheet HBM3e: {bw:.1f} TB/s")
+        ax.axhline(copy, color="black", lw=1.4, ls="--", label=f"measured device copy: {copy:.2f} TB/s")
+        for impl in impls:
+            pts = sorted((r for r in sub if r["impl"] == impl), key=lambda r: r["tokens"])
+            if pts:
+                ax.plot([r["tokens"] for r in pts], [rate[id(r)] for r in pts], color=colors[impl], marker="o",
+                        ms=4, lw=2.0 if impl == OURS else 1.3, ls=":" if impl_role(impl) == "floor" else "-",
+                        label=impl_label(impl))
+        ax.set_xscale("log")
+        ax.set_ylim(0, bw * 1.08)
+        ax.set_xlabel("tokens M = batch_size x seq_len")
+        ax.set_ylabel("achieved bandwidth (TB/s of compulsory bytes)")
+        ax.set_title(f"N={n}, H={h}")
+    _legend_outside(panels[-1][0])
+    fig.suptitle(f"{OP_TITLES.get(op, op)}: bandwidth per version vs the copy rate ({suite} suite)\n"
+                 f"{provenance(rows)}")
     fig.tight_layout()
     return _save(fig, path)
 
@@ -400,9 +522,9 @@ def plot_pct_sol(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
         handles, labels = ax.get_legend_handles_labels()
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="////"))
         labels.append("hatched: fails the tolerance rule")
-        ax.legend(handles, labels, loc="upper left", framealpha=0.92)
+        _legend_outside(ax, handles, labels)
     else:
-        ax.legend(loc="upper left", framealpha=0.92)
+        _legend_outside(ax)
     ax.set_xticks(range(len(keys)))
     ax.set_xticklabels([workload_label(k, with_nh) for k in keys], rotation=45, ha="right")
     ax.set_xlabel("workload (batch_size x seq_len), sorted by tokens")
@@ -429,12 +551,12 @@ def plot_speedup(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path 
                 for k in keys]
         fails = [(base, k) in by and by[(base, k)]["passed"] is False for k in keys]
         tag = " [fails tolerance]" if any(fails) else ""
-        series.append((f"vs {base}{tag}: geomean {geomean(vals):.2f}x", base, vals))
+        series.append((f"vs {impl_label(base)}{tag}: geomean {geomean(vals):.2f}x", base, vals))
         hatches.append(fails)
     fig, ax = plt.subplots(figsize=(min(16.0, max(9.0, 0.45 * len(keys) * len(baselines) / 3 + 5)), 6.0))
     _grouped_bars(ax, keys, series, colors, hatches)
     ax.axhline(1.0, color="black", lw=1.0, ls="--", label="1x (parity)")
-    ax.legend(loc="upper left", framealpha=0.92)
+    _legend_outside(ax)
     ax.set_xticks(range(len(keys)))
     ax.set_xticklabels([workload_label(k, with_nh) for k in keys], rotation=45, ha="right")
     ax.set_xlabel("workload (batch_size x seq_len), sorted by tokens")
@@ -451,17 +573,15 @@ def regenerate(results_dir: Path | str = RECORDED_RESULTS_DIR, out_dir: Path | s
                log: Callable[[str], None] = print) -> list[Path]:
     """Write every figure that the CSVs in `results_dir` support into `out_dir`; return the paths."""
     matplotlib = require("matplotlib", "figures")
-
     matplotlib.use("Agg", force=True)
     results_dir, out_dir = Path(results_dir), Path(out_dir)
     results = load_results(results_dir, log)
     if not results:
         log(f"figures: no bench_*.csv in {results_dir}: nothing to draw")
         return []
-    ceilings = load_ceilings(results_dir)
     written: list[Path] = []
     with style():
-        path = plot_roofline(results, ceilings, out_dir / "roofline.png")
+        path = plot_roofline(results, out_dir / "roofline.png")
         if path:
             written.append(path)
         for (op, suite), rows in sorted(results.items()):
@@ -472,4 +592,8 @@ def regenerate(results_dir: Path | str = RECORDED_RESULTS_DIR, out_dir: Path | s
                 written.append(path)
             else:
                 log(f"figures: {op} / {suite} has no {OURS} or PyTorch rows: no speedup figure")
+            if op in memory_bound_ops(rows):
+                path = plot_bandwidth(op, suite, rows, out_dir / f"bandwidth_{op}_{suite}.png")
+                if path:
+                    written.append(path)
     return written

@@ -1,9 +1,13 @@
 """Small helpers shared by the notebooks under notebooks/ (no GPU needed to import).
 
+- `results_dir()`: the folder of the recorded measurements, the one place the notebooks find it.
 - `mode()`: "gpu" when CuPy and torch both see a CUDA device, else "cpu" (the notebooks then
   replay the recorded CSVs); `ALTUP_NOTEBOOK_MODE=cpu` forces CPU mode, `=gpu` demands a GPU.
-- `kernel_source(filename, name)`: one kernel's source (with the comment block above it) read
-  from the package's .cu/.cuh file in altup_cupy/kernels/, so a notebook shows the code it explains.
+  It prints the notebook's first line: what ran, on which GPU, at which commit.
+- `kernel_source(name)`: one kernel's (or device function's) source with the comment block above
+  it, found in the package's .cu/.cuh files, so a notebook shows the code it explains.
+- `ncu_launches(filename)`: the profiled launches of a recorded Nsight Compute report, each with
+  its metrics and lines, so a notebook quotes the profile instead of retyping it.
 - `recorded_rows(op, suite)`, `live_rows(op, workloads)`: the rows a table or figure is drawn from.
 """
 
@@ -14,7 +18,6 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from ._build import KERNELS_DIR
 from ._device import gpu_status
 from ._paths import RECORDED_RESULTS_DIR, REPO_ROOT
 from .bench import csv_path, read_csv
@@ -23,8 +26,27 @@ from .figures import parse_rows
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
+def results_dir() -> Path:
+    """The recorded measurements' folder."""
+    if not RECORDED_RESULTS_DIR.is_dir():
+        raise FileNotFoundError(f"no recorded results: {RECORDED_RESULTS_DIR} does not exist")
+    return RECORDED_RESULTS_DIR
+
+
+def recorded_provenance(folder: Path | None = None) -> dict:
+    """{'git_sha', 'gpu', 'date'} of the recorded benchmark CSVs (each joined with ', ' if several)."""
+    folder = folder or results_dir()
+    seen: dict[str, set] = {"git_sha": set(), "gpu": set(), "date": set()}
+    for path in sorted(folder.glob("bench_*.csv")):
+        for row in read_csv(path):
+            for key in seen:
+                if row.get(key):
+                    seen[key].add(row[key][:10] if key == "date" else row[key])
+    return {key: ", ".join(sorted(values)) or "unknown" for key, values in seen.items()}
+
+
 def mode(verbose: bool = True) -> str:
-    """'gpu' or 'cpu', printing which and why."""
+    """'gpu' or 'cpu', printing which, why, and what the outputs below come from."""
     forced = os.environ.get("ALTUP_NOTEBOOK_MODE", "").strip().lower()
     usable, why = gpu_status()
     if forced == "gpu" and not usable:
@@ -32,71 +54,114 @@ def mode(verbose: bool = True) -> str:
     chosen = "gpu" if usable and forced != "cpu" else "cpu"
     if verbose:
         if chosen == "gpu":
-            import torch
+            from .bench import run_info
 
-            print(f"GPU mode: measuring live on {torch.cuda.get_device_name()}.")
+            info = run_info()
+            print(f"GPU mode: measured live on {info['gpu']}, altup_cupy at git {info['git_sha']} "
+                  f"({info['date']}).")
         else:
             reason = "ALTUP_NOTEBOOK_MODE=cpu" if usable else why
-            print(f"CPU mode ({reason}): no live measurement; the tables and figures below replay "
-                  f"the recorded measurements in {_shown(RECORDED_RESULTS_DIR)}/.")
+            folder = results_dir()
+            rec = recorded_provenance(folder)
+            print(f"CPU mode ({reason}).\nReplaying the recorded CSVs of altup_cupy at git {rec['git_sha']}, "
+                  f"recorded on {rec['gpu']} ({rec['date']}), from {folder.relative_to(REPO_ROOT)}/.")
     return chosen
 
 
-def kernel_source(filename: str, name: str, comment: bool = True) -> str:
-    """The definition of kernel (or device function / struct) `name` in kernels/`filename`,
-    from its `template` line (and the `//` comment block just above, if `comment`) to its closing brace."""
-    text = (KERNELS_DIR / filename).read_text()
-    lines = text.splitlines()
+def _source_files() -> list[Path]:
+    return sorted([*PACKAGE_DIR.rglob("*.cu"), *PACKAGE_DIR.rglob("*.cuh")])
+
+
+def _definition_start(lines: list[str], name: str) -> int | None:
+    """Index of the line where `name(` is defined (its signature reaches a "{" before any ";")."""
     pattern = re.compile(rf"\b{re.escape(name)}\s*\(")
-    start = None
     for i, line in enumerate(lines):
         if pattern.search(line) and not line.lstrip().startswith("//") and not line.rstrip().endswith(";"):
-            # must be a definition: the signature is followed by a "{" before any ";"
             rest = "\n".join(lines[i:i + 40])
             brace, semi = rest.find("{"), rest.find(";")
             if brace >= 0 and (semi < 0 or brace < semi or ")" in rest[:brace]):
-                start = i
-                break
-    if start is None:
-        raise KeyError(f"{name} not found in {filename}")
-    first = start
-    while first > 0 and (lines[first - 1].startswith("template") or "__global__" in lines[first - 1]):
-        first -= 1
-    if comment:
-        while first > 0 and lines[first - 1].lstrip().startswith("//"):
+                return i
+    return None
+
+
+def kernel_source(name: str, comment: bool = True) -> str:
+    """The definition of kernel (or device function / struct) `name` in the package's CUDA sources,
+    from its `template` line (and the `//` comment block just above, if `comment`) to its closing
+    brace, headed by the file it is in."""
+    for path in _source_files():
+        lines = path.read_text().splitlines()
+        start = _definition_start(lines, name)
+        if start is None:
+            continue
+        first = start
+        while first > 0 and (lines[first - 1].startswith("template") or "__global__" in lines[first - 1]):
             first -= 1
-    depth, seen, end = 0, False, len(lines) - 1
-    for j in range(start, len(lines)):
-        code = lines[j].split("//", 1)[0]
-        depth += code.count("{") - code.count("}")
-        seen = seen or "{" in code
-        if seen and depth == 0:
-            end = j
-            break
-    return "\n".join(lines[first:end + 1])
+        if comment:
+            while first > 0 and lines[first - 1].lstrip().startswith("//"):
+                first -= 1
+        depth, seen, end = 0, False, len(lines) - 1
+        for j in range(start, len(lines)):
+            code = lines[j].split("//", 1)[0]
+            depth += code.count("{") - code.count("}")
+            seen = seen or "{" in code
+            if seen and depth == 0:
+                end = j
+                break
+        return f"// {path.relative_to(REPO_ROOT).as_posix()}\n" + "\n".join(lines[first:end + 1])
+    raise KeyError(f"{name} is defined in none of the package's CUDA sources")
 
 
-def file_header(filename: str) -> str:
-    """The leading comment block of a kernel source file (kernels/`filename`)."""
-    out = []
-    for line in (KERNELS_DIR / filename).read_text().splitlines():
-        if not line.startswith("//"):
-            break
-        out.append(line)
-    return "\n".join(out)
+def file_header(name: str) -> str:
+    """The leading comment block of the package's CUDA source that defines `name`."""
+    for path in _source_files():
+        lines = path.read_text().splitlines()
+        if _definition_start(lines, name) is not None:
+            header = []
+            for line in lines:
+                if not line.startswith("//"):
+                    break
+                header.append(line)
+            return f"// {path.relative_to(REPO_ROOT).as_posix()}\n" + "\n".join(header)
+    raise KeyError(f"{name} is defined in none of the package's CUDA sources")
 
 
-def _shown(path: Path) -> str:
-    """`path` as the notebooks print it: relative to the checkout (or the current directory)."""
-    for base in (REPO_ROOT, Path.cwd()):
-        if base is not None and path.is_relative_to(base):
-            return path.relative_to(base).as_posix()
-    return path.as_posix()
+_NCU_METRIC = re.compile(r"^\s{4}(\S.*?\S)\s{2,}(?:(\S+)\s{2,})?([\d,.]+)\s*$")
 
 
-def recorded_rows(op: str, suite: str = "benchmark", results_dir: Path = RECORDED_RESULTS_DIR) -> list[dict]:
+def _is_launch_header(line: str) -> bool:
+    return line.startswith("  ") and not line.startswith("   ") and "(" in line and "Context" in line
+
+
+def ncu_launches(filename: str) -> list[dict]:
+    """Every profiled launch in the recorded Nsight Compute text report `filename` (in results_dir()),
+    in file order: {'kernel', 'header', 'lines', 'metrics' {name: float}, 'ran' (the profiled
+    script's "ran ..." line, if any)}."""
+    text = (results_dir() / filename).read_text().splitlines()
+    ran = next((line for line in text if line.startswith("ran ")), "")
+    starts = [i for i, line in enumerate(text) if _is_launch_header(line)] + [len(text)]
+    launches = []
+    for begin, end in zip(starts, starts[1:]):
+        lines = text[begin:end]
+        metrics: dict[str, float] = {}
+        for line in lines[1:]:
+            match = _NCU_METRIC.match(line)
+            if match:
+                metrics.setdefault(match.group(1), float(match.group(3).replace(",", "")))
+        kernel = re.search(r"(\w+)\s*[<(]", lines[0].strip().removeprefix("void ")).group(1)
+        launches.append({"kernel": kernel, "header": lines[0].strip(), "lines": lines, "metrics": metrics,
+                         "ran": ran})
+    return launches
+
+
+def ncu_excerpt(launch: dict, keys: Sequence[str]) -> str:
+    """The launch's header and its report lines containing any of `keys`, as they are in the file."""
+    picked = [line.rstrip() for line in launch["lines"][1:] if any(k in line for k in keys)]
+    return "\n".join([launch["header"][:100] + " ...", *picked])
+
+
+def recorded_rows(op: str, suite: str = "benchmark") -> list[dict]:
     """Parsed rows of the recorded CSV, or [] (with a message) if it is absent."""
-    path = csv_path(op, suite, results_dir)
+    path = csv_path(op, suite, results_dir())
     if not path.is_file():
         print(f"No recorded results for {op} / {suite} yet ({path.name} is absent).")
         return []

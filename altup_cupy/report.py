@@ -9,6 +9,11 @@ Per op and suite, one row per workload (sorted by tokens): each implementation's
 our speedup over the fastest PyTorch baseline that passes the tolerance on that workload, and
 whether ours passes. The last row holds the means: arithmetic over workloads for the µs columns
 and for % of SOL, geometric for the speedup, and the count of passing workloads.
+
+For a memory-bound op, `bandwidth_table` gives every implementation's TB/s of compulsory traffic
+per workload against the measured copy rate, and `progression_table` each version of ours
+(`altup_cupy_vN` rows, then the default) at a small, a medium and a large M: µs, TB/s and % of
+the copy floor (the `copy_floor` rows: the same bytes through a device copy).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import Sequence
 
 from ._paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from .bench import csv_path, read_csv
-from .figures import (OP_TITLES, OURS, geomean, impl_order, impl_role, parse_rows,
-                      provenance, workloads_by_tokens)
+from .ceilings import H200
+from .figures import (OP_TITLES, OURS, bandwidth_points, geomean, impl_order, impl_role,
+                      impl_version, parse_rows, provenance, workloads_by_tokens)
 from .workloads import OPS, SUITES
 
 BEGIN_MARKER = "<!-- results:begin -->"
@@ -89,9 +95,7 @@ def results_table(rows: Sequence[dict]) -> str:
             + ["SOL µs", f"{OURS} % of SOL", "speedup vs best passing PyTorch", f"{OURS} passes"])
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + [":---:"]) + "|"]
     for line in data["rows"]:
-        n, h, b, s = line["workload"]
-        label = f"N{n} H{h} {b}×{s}" if with_nh else f"{b}×{s}"
-        cells = [label, str(line["tokens"])]
+        cells = [_workload_cell(line["workload"], with_nh), str(line["tokens"])]
         cells += [_us(line["us"][i]) + (" ✗" if line["failed"][i] else "") for i in impls]
         speed = (f"{line['speedup']:.2f}× ({line['baseline']})" if math.isfinite(line["speedup"]) else "—")
         verdict = {True: "pass", False: "**FAIL**", None: "—"}[line["passed"]]
@@ -107,6 +111,103 @@ def results_table(rows: Sequence[dict]) -> str:
 
 def _pct(value: float) -> str:
     return f"{value:.1f}%" if math.isfinite(value) else "—"
+
+
+def _workload_cell(key: tuple, with_nh: bool) -> str:
+    n, h, b, s = key
+    return f"N{n} H{h} {b}×{s}" if with_nh else f"{b}×{s}"
+
+
+COPY_FLOOR = "copy_floor"  # the benchmark's device copy of an op's compulsory bytes
+
+
+def our_versions(rows: Sequence[dict]) -> list[str]:
+    """Our implementations in the CSV, oldest first: `altup_cupy_vN` by N, then the default."""
+    ours = {r["impl"] for r in rows if impl_role(r["impl"]) == "ours"}
+    return sorted(ours, key=lambda i: (i == OURS, impl_version(i) or 0, i))
+
+
+def bandwidth_data(rows: Sequence[dict]) -> dict:
+    """{'impls', 'rows': [{'workload', 'tokens', 'tbps': {impl: TB/s}}], 'means': {impl: TB/s}}: the
+    TB/s of compulsory traffic of every implementation on every workload (figures.bandwidth_points)."""
+    impls = impl_order(rows)
+    rate = {(r["impl"], r["workload"]): tbps for r, _, tbps in bandwidth_points(rows)}
+    tokens = {r["workload"]: r["tokens"] for r in rows}
+    lines = [{"workload": key, "tokens": tokens[key],
+              "tbps": {i: rate.get((i, key), math.nan) for i in impls}} for key in workloads_by_tokens(rows)]
+    means = {i: statistics.fmean(v) if (v := [line["tbps"][i] for line in lines
+                                              if math.isfinite(line["tbps"][i])]) else math.nan for i in impls}
+    return {"impls": impls, "rows": lines, "means": means}
+
+
+def bandwidth_table(rows: Sequence[dict]) -> str:
+    """Markdown: TB/s of every implementation per workload, and the default's % of the copy rate."""
+    data = bandwidth_data(rows)
+    impls, copy = data["impls"], H200.copy_bytes_per_s / 1e12
+    with_nh = len({line["workload"][:2] for line in data["rows"]}) > 1
+    head = ["workload", "tokens"] + [f"{i} TB/s" for i in impls] + [f"{OURS} % of the {copy:.2f} TB/s copy rate"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for line in data["rows"] + [{"workload": None, "tokens": "", "tbps": data["means"]}]:
+        label = "**mean**" if line["workload"] is None else _workload_cell(line["workload"], with_nh)
+        cells = [label, str(line["tokens"])] + [_tbps(line["tbps"][i]) for i in impls]
+        cells.append(_pct(100 * line["tbps"].get(OURS, math.nan) / copy))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _tbps(value: float) -> str:
+    return f"{value:.3f}" if math.isfinite(value) else "—"
+
+
+def progression_shapes(rows: Sequence[dict]) -> list[tuple]:
+    """Three workloads of the most common (N, H): the smallest, the middle and the largest M."""
+    shapes = [r["workload"][:2] for r in rows]
+    common = max(set(shapes), key=lambda nh: (shapes.count(nh), nh))
+    keys = [k for k in workloads_by_tokens(rows) if k[:2] == common]
+    picks = [keys[0], keys[(len(keys) - 1) // 2], keys[-1]]
+    return list(dict.fromkeys(picks))
+
+
+def progression_data(rows: Sequence[dict]) -> dict:
+    """Per version of ours (oldest first, then the copy floor) and per progression shape: µs, TB/s
+    and % of the copy floor (copy_floor µs / its µs: 100% = the copy's pace); plus each one's mean
+    µs over every workload of the CSV."""
+    by = {(r["impl"], r["workload"]): r for r in rows}
+    rate = {(r["impl"], r["workload"]): tbps for r, _, tbps in bandwidth_points(rows)}
+    shapes = progression_shapes(rows)
+    keys = workloads_by_tokens(rows)
+    floor = [COPY_FLOOR] if any(r["impl"] == COPY_FLOOR for r in rows) else []
+    table = []
+    for impl in our_versions(rows) + floor:
+        cells = []
+        for key in shapes:
+            row, copy = by.get((impl, key)), by.get((COPY_FLOOR, key))
+            us = row["median_us"] if row else math.nan
+            cells.append({"us": us, "tbps": rate.get((impl, key), math.nan),
+                          "pct_copy_floor": 100 * copy["median_us"] / us if row and copy else math.nan})
+        mean = [by[(impl, k)]["median_us"] for k in keys if (impl, k) in by]
+        table.append({"impl": impl, "cells": cells, "mean_us": statistics.fmean(mean) if mean else math.nan,
+                      "workloads": len(mean)})
+    return {"shapes": shapes, "rows": table}
+
+
+def progression_table(rows: Sequence[dict]) -> str:
+    """Markdown: one row per version of ours (and the copy floor), µs / TB/s / % of the copy floor
+    at three shapes, and the mean µs over all workloads."""
+    data = progression_data(rows)
+    head = ["version"]
+    for n, h, b, s in data["shapes"]:
+        head += [f"M={b * s} µs", "TB/s", "% of copy floor"]
+    head.append("mean µs (workloads)")
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    suffix = {OURS: " (default)", COPY_FLOOR: " (device copy)"}
+    for line in data["rows"]:
+        cells = [line["impl"] + suffix.get(line["impl"], "")]
+        for cell in line["cells"]:
+            cells += [_us(cell["us"]), _tbps(cell["tbps"]), _pct(cell["pct_copy_floor"])]
+        cells.append(f"{_us(line['mean_us'])} ({line['workloads']})")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def markdown_tables(results_dir: Path | str = RECORDED_RESULTS_DIR, heading_level: int = 3) -> str:

@@ -119,6 +119,8 @@ def test_regenerate_synthetic_writes_valid_deterministic_pngs(synthetic, tmp_pat
         "latency_collapse_benchmark.png", "pct_sol_collapse_benchmark.png", "speedup_collapse_benchmark.png",
         "latency_predict_correct_backward_benchmark.png", "pct_sol_predict_correct_backward_benchmark.png",
         "speedup_predict_correct_backward_benchmark.png",
+        # the backward is memory-bound on every workload: it also gets the byte-based view
+        "bandwidth_predict_correct_backward_benchmark.png",
     ])
     for path in first:
         assert_valid_png(path)
@@ -145,6 +147,25 @@ def test_roofline_intensity_comes_from_the_csv(synthetic):
         expected = bench.flops(w) / bench.compulsory_bytes(w)
         assert intensity == pytest.approx(expected, rel=1e-2), row["impl"]  # tflops has 0.1 resolution
         assert tflops == pytest.approx(row["tflops"], abs=0.051)
+
+
+def test_only_the_memory_bound_op_is_placed_by_bytes(synthetic):
+    rows = [r for rs in figures.load_results(synthetic, log=lambda _: None).values() for r in rs]
+    assert figures.memory_bound_ops(rows) == {"predict_correct_backward"}
+    for row, nbytes, tbps in figures.bandwidth_points(rows):
+        if row["op"] == "predict_correct_backward":
+            assert nbytes == pytest.approx(22 * 2304 * row["tokens"], rel=1e-3)
+            assert tbps == pytest.approx(nbytes / row["median_us"] / 1e6)
+
+
+def test_colours_are_derived_for_any_version_and_baseline():
+    impls = ["altup_cupy", "altup_cupy_v1", "altup_cupy_v2", "altup_cupy_v7", "torch_new_baseline",
+             "torch_eager", "copy_floor", "some_floor"]
+    colors = figures.color_map(impls)
+    assert set(colors) == set(impls)
+    assert len(set(colors.values())) == len(impls)  # distinct, none hand-listed
+    assert figures.color_map(["altup_cupy_v7", "torch_eager"])["torch_eager"] == colors["torch_eager"]
+    assert figures.impl_version("altup_cupy_v12") == 12 and figures.impl_version("altup_cupy") is None
 
 
 def _committed_csvs() -> list[Path]:
@@ -264,3 +285,35 @@ def test_markdown_tables_and_readme_markers(synthetic, tmp_path):
     readme.write_text("no markers here\n")
     with pytest.raises(ValueError, match="markers"):
         report.update_readme(readme, synthetic)
+
+
+def _with_versions(synthetic) -> list[dict]:
+    """The synthetic backward rows plus an earlier version of ours at twice the default's time."""
+    rows = figures.parse_rows(
+        __import__("altup_cupy.bench", fromlist=["read_csv"]).read_csv(
+            csv_path("predict_correct_backward", "benchmark", synthetic)))
+    older = [dict(r, impl="altup_cupy_v1", median_us=2 * r["median_us"]) for r in rows if r["impl"] == "altup_cupy"]
+    return rows + older
+
+
+def test_progression_table_reads_versions_from_the_impl_names(synthetic):
+    data = report.progression_data(_with_versions(synthetic))
+    assert [line["impl"] for line in data["rows"]] == ["altup_cupy_v1", "altup_cupy", "copy_floor"]
+    default = data["rows"][1]
+    for cell, (b, s, impls) in zip(default["cells"], SYNTH_BACKWARD):
+        assert cell["us"] == impls["altup_cupy"][0]
+        assert cell["pct_copy_floor"] == pytest.approx(100 * impls["copy_floor"][0] / impls["altup_cupy"][0])
+        assert cell["tbps"] == pytest.approx(22 * 2304 * b * s / cell["us"] / 1e6, rel=1e-3)
+    assert data["rows"][0]["cells"][0]["us"] == 2 * default["cells"][0]["us"]
+    table = _table_lines(report.progression_table(_with_versions(synthetic)))
+    assert table[1 + 2][0] == "altup_cupy (default)" and table[-1][0] == "copy_floor (device copy)"
+
+
+def test_bandwidth_table_against_the_copy_rate(synthetic):
+    rows = _with_versions(synthetic)
+    data = report.bandwidth_data(rows)
+    first = data["rows"][0]["tbps"]
+    assert first["altup_cupy_v1"] == pytest.approx(first["altup_cupy"] / 2)
+    table = _table_lines(report.bandwidth_table(rows))
+    pct = float(table[2][-1].rstrip("%"))
+    assert pct == pytest.approx(100 * first["altup_cupy"] / 4.22, abs=0.06)
