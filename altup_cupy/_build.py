@@ -29,8 +29,11 @@ NVRTC_OPTIONS = ("-std=c++17",)
 class KernelSource:
     """One `.cu` file and the template instantiations the host code launches from it."""
 
-    filename: str
+    filename: str  # relative to this package, e.g. "collapse.cu" or "kernels/collapse_v2.cu"
     name_expressions: tuple[str, ...]
+    # The oldest target the source builds for; "sm_90a" for wgmma/setmaxnreg (arch-specific).
+    min_arch: str = ARCH
+    defines: tuple[str, ...] = ()  # extra NVRTC options such as "-DFOO=1"
     _modules: dict = field(default_factory=dict, repr=False)
     _functions: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -56,7 +59,7 @@ class KernelSource:
                 if module is None:
                     module = cupy.RawModule(
                         code=self.code(),
-                        options=NVRTC_OPTIONS,
+                        options=NVRTC_OPTIONS + self.defines,
                         name_expressions=list(self.name_expressions),
                     )
                     self._modules[key[0]] = module
@@ -111,8 +114,26 @@ def parse_ptxas_log(log: str) -> tuple[KernelResources, ...]:
     return tuple(kernels)
 
 
+@dataclass(frozen=True)
+class Cubin:
+    """A source compiled by NVRTC: the image, each name expression's mangled name, ptxas' log."""
+
+    image: bytes
+    lowered_names: dict
+    log: str
+
+
 def compile_offline(source: KernelSource, arch: str = ARCH) -> OfflineBuild:
-    """Compile `source` to a cubin with NVRTC from pip; needs no GPU and no driver."""
+    """Compile `source` to a cubin with NVRTC from pip; needs no GPU and no driver.
+
+    A source whose `min_arch` is an arch-specific target (sm_90a) is compiled for that target.
+    """
+    build = compile_cubin(source, source.min_arch if source.min_arch.endswith("a") else arch)
+    return OfflineBuild(source.filename, len(build.image), parse_ptxas_log(build.log), build.log)
+
+
+def compile_cubin(source: KernelSource, arch: str) -> Cubin:
+    """NVRTC `source` (with its defines) for `arch`, with ptxas' verbose report."""
     from cuda.bindings import nvrtc
 
     def check(result, what):
@@ -129,7 +150,7 @@ def compile_offline(source: KernelSource, arch: str = ARCH) -> OfflineBuild:
         for expression in source.name_expressions:
             check(nvrtc.nvrtcAddNameExpression(program, expression.encode()), "add name")
         options = [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]
-        options += [o.encode() for o in NVRTC_OPTIONS]
+        options += [o.encode() for o in (*NVRTC_OPTIONS, *source.defines)]
         compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)
         (log_size,) = check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
         log = b" " * log_size
@@ -138,6 +159,12 @@ def compile_offline(source: KernelSource, arch: str = ARCH) -> OfflineBuild:
         if compiled[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"NVRTC could not compile {source.filename}:\n{log_text}")
         (cubin_size,) = check(nvrtc.nvrtcGetCUBINSize(program), "cubin size")
-        return OfflineBuild(source.filename, cubin_size, parse_ptxas_log(log_text), log_text)
+        image = b" " * cubin_size
+        check(nvrtc.nvrtcGetCUBIN(program, image), "cubin")
+        lowered = {}
+        for expression in source.name_expressions:
+            (name,) = check(nvrtc.nvrtcGetLoweredName(program, expression.encode()), "lowered name")
+            lowered[expression] = name.decode() if isinstance(name, bytes) else name
+        return Cubin(image, lowered, log_text)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
