@@ -1,0 +1,251 @@
+"""The Hopper collapse (altup_cupy.ops.collapse_hopper, kernels/collapse_v2.cu).
+
+CPU: the host plan, the work-unit schedule and the accumulator layout (Python mirrors of the
+kernel's index arithmetic), tensor-map arguments, the parameter block's layout against the
+kernel's static_asserts, argument validation, and an NVRTC sm_90a build with no spills and no
+stack. GPU (Hopper only): launch_v2 and collapse_v2 against float64, by the checks of
+scripts/check_collapse_hopper.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from altup_cupy._build import SOURCE_DIR, compile_offline
+from altup_cupy.ops import collapse_hopper as ch
+from altup_cupy.workloads import benchmark_workloads, gemma3n_workloads
+
+KERNEL_TEXT = (SOURCE_DIR / ch.SOURCE.filename).read_text()
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_collapse_hopper.py"
+
+
+def _constexpr(name: str) -> int:
+    match = re.search(rf"constexpr int {name} = (\d+);", KERNEL_TEXT)
+    assert match, f"{name} not found as a literal constexpr in {ch.SOURCE.filename}"
+    return int(match.group(1))
+
+
+# ---- mirrors of the kernel ---------------------------------------------------------------------
+
+def decode_unit(plan: ch.GemmPlan, unit: int) -> tuple[int, int, int, int, int, int]:
+    """decode_unit of collapse_v2.cu: (projection, row tile, col tile, split, k_begin, k_end)."""
+    split = unit % plan.splits
+    rest = unit // plan.splits
+    col = rest % plan.col_tiles
+    rest //= plan.col_tiles
+    row = rest % plan.row_tiles
+    projection = rest // plan.row_tiles
+    k_begin = split * plan.k_blocks_per_split
+    return projection, row, col, split, k_begin, min(plan.k_blocks, k_begin + plan.k_blocks_per_split)
+
+
+def accumulator_cells(warp: int, lane: int) -> list[tuple[int, int, int]]:
+    """(register, row, column) of one consumer thread's 128 accumulators, as the store loop
+    of collapse_v2.cu reads them (row within the consumer's 64, column within the 256)."""
+    cells = []
+    for j in range(ch.BLOCK_N // 8):
+        row, col = 16 * warp + lane // 4, 8 * j + 2 * (lane % 4)
+        cells += [(4 * j, row, col), (4 * j + 1, row, col + 1), (4 * j + 2, row + 8, col),
+                  (4 * j + 3, row + 8, col + 1)]
+    return cells
+
+
+# ---- CPU tests -----------------------------------------------------------------------------------
+
+def test_host_constants_mirror_the_kernel():
+    assert ch.BLOCK_M == _constexpr("kBlockM")
+    assert ch.BLOCK_N == _constexpr("kBlockN")
+    assert ch.BLOCK_K == _constexpr("kBlockK")
+    assert ch.STAGES == _constexpr("kStages")
+    assert ch.MAX_PROJECTIONS == _constexpr("kMaxProjections")
+    assert ch.THREADS == _constexpr("kWarpgroupThreads") * (1 + _constexpr("kConsumers"))
+    assert ch.BLOCK_M == 64 * _constexpr("kConsumers")  # one m64 wgmma row block per consumer
+    assert ch.BLOCK_K * 2 == 128  # a stage row is exactly one 128-byte swizzle row
+    assert ch.SHARED_BYTES <= 227 * 1024
+
+
+def test_parameter_block_layout_matches_the_kernel():
+    asserted = dict(re.findall(r"offsetof\(CollapseGemmParams, (\w+)\) == (\d+)", KERNEL_TEXT))
+    assert asserted, "no layout static_asserts found in the kernel"
+    for field, offset in asserted.items():
+        assert ch.PARAM_OFFSETS[field] == int(offset), field
+    size = re.search(r"sizeof\(CollapseGemmParams\) == (\d+)", KERNEL_TEXT)
+    assert size and int(size.group(1)) == ch.PARAMS_BYTES
+    fields = re.search(r"struct CollapseGemmParams \{(.*?)\};", KERNEL_TEXT, re.S).group(1)
+    declared = re.findall(r"(\w+)(?:\[\w+\])?;", fields)
+    assert declared == list(ch.PARAM_OFFSETS), "every field is pinned, in declaration order"
+
+
+def test_pack_params_round_trip():
+    plan = ch.plan_gemm(613, 2056, 3, 132)
+    x_maps = [bytes([k + 1]) * 128 for k in range(3)]
+    w_maps = [bytes([k + 11]) * 128 for k in range(3)]
+    packed = ch.pack_params(x_maps, w_maps, 0x7F0000001000, 0x7F0000002000, plan)
+    assert len(packed) == ch.PARAMS_BYTES
+    for k in range(3):
+        assert packed[128 * k:128 * (k + 1)] == x_maps[k]
+        assert packed[384 + 128 * k:384 + 128 * (k + 1)] == w_maps[k]
+    out, sumsq, rows = struct.unpack_from("<QQq", packed, ch.PARAM_OFFSETS["out"])
+    assert (out, sumsq, rows) == (0x7F0000001000, 0x7F0000002000, 613)
+    ints = struct.unpack_from("<8i", packed, ch.PARAM_OFFSETS["hidden"])
+    assert ints == (2056, 3, plan.row_tiles, plan.col_tiles, plan.k_blocks, plan.splits,
+                    plan.k_blocks_per_split, plan.units)
+    assert not any(packed[ch.PARAM_OFFSETS["units"] + 4:])  # tail padding stays zero
+    two = ch.plan_gemm(5, 8, 1, 4)
+    packed = ch.pack_params(x_maps[:1], w_maps[:1], 1, 0, two)
+    assert not any(packed[128:384]) and not any(packed[512:768])  # unused map slots are zeros
+    with pytest.raises(ValueError, match="tensor maps"):
+        ch.pack_params(x_maps[:2], w_maps, 1, 0, plan)
+
+
+PLAN_SHAPES = [(m, h, p) for m in (1, 7, 64, 65, 127, 128, 129, 131, 256, 613, 2048, 8192, 17312)
+               for h in (8, 1000, 2048, 2056, 2560, 3072) for p in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("rows,hidden,projections", PLAN_SHAPES)
+def test_plan_covers_every_output_and_k_block_once(rows, hidden, projections):
+    sms = 132
+    plan = ch.plan_gemm(rows, hidden, projections, sms)
+    assert (plan.row_tiles - 1) * ch.BLOCK_M < rows <= plan.row_tiles * ch.BLOCK_M
+    assert (plan.col_tiles - 1) * ch.BLOCK_N < hidden <= plan.col_tiles * ch.BLOCK_N
+    assert (plan.k_blocks - 1) * ch.BLOCK_K < hidden <= plan.k_blocks * ch.BLOCK_K
+    assert plan.units == projections * plan.row_tiles * plan.col_tiles * plan.splits
+    assert 1 <= plan.grid <= min(plan.units, sms)
+    # Every (projection, row tile, column tile) gets each K block exactly once over its splits,
+    # and no split is empty.
+    seen = {}
+    for unit in range(plan.units):
+        projection, row, col, split, k_begin, k_end = decode_unit(plan, unit)
+        assert 0 <= projection < projections and 0 <= row < plan.row_tiles and 0 <= col < plan.col_tiles
+        assert k_begin < k_end <= plan.k_blocks
+        seen.setdefault((projection, row, col), []).append((split, k_begin, k_end))
+    assert len(seen) == projections * plan.row_tiles * plan.col_tiles
+    for ranges in seen.values():
+        ranges.sort()
+        assert [s for s, _, _ in ranges] == list(range(plan.splits))
+        assert ranges[0][1] == 0 and ranges[-1][2] == plan.k_blocks
+        assert all(a[2] == b[1] for a, b in zip(ranges, ranges[1:]))
+    # The persistent grid: CTA b takes units b, b + grid, ...; every unit exactly once.
+    taken = sorted(u for b in range(plan.grid) for u in range(b, plan.units, plan.grid))
+    assert taken == list(range(plan.units))
+
+
+@pytest.mark.parametrize("w", benchmark_workloads("collapse") + gemma3n_workloads("collapse"),
+                         ids=lambda w: w.label)
+def test_small_m_plans_fill_the_gpu(w):
+    """Weight-bandwidth-bound shapes (M <= 613) keep at least 70% of 132 SMs streaming."""
+    plan = ch.plan_gemm(w.tokens, w.hidden, w.streams - 1, 132)
+    if w.tokens <= 613:
+        assert plan.grid >= 0.7 * 132, plan
+    else:
+        assert plan.splits == 1 or plan.units <= 132, plan
+
+
+def test_plan_rejects_bad_shapes():
+    for kwargs in (dict(rows=0, hidden=8, projections=1, sms=1), dict(rows=1, hidden=12, projections=1, sms=1),
+                   dict(rows=1, hidden=8, projections=4, sms=1), dict(rows=1, hidden=8, projections=1, sms=0)):
+        with pytest.raises(ValueError, match="plan_gemm needs"):
+            ch.plan_gemm(**kwargs)
+
+
+def test_accumulator_layout_covers_the_tile_once():
+    """The 128 consumer threads' accumulators map onto the 64 x 256 tile one-to-one, and every
+    8-column chunk j is held entirely by registers 4j..4j+3 (the store's column guard)."""
+    cells = {}
+    for warp in range(4):
+        for lane in range(32):
+            for register, row, col in accumulator_cells(warp, lane):
+                assert (row, col) not in cells
+                cells[(row, col)] = register
+                assert register // 4 == col // 8
+    assert set(cells) == {(r, c) for r in range(64) for c in range(ch.BLOCK_N)}
+
+
+def test_tensor_map_specs():
+    x = ch.tensor_map_spec(613, 2056, ch.BLOCK_M)
+    assert x.global_dim == (2056, 613) and x.global_strides == (4112,)
+    assert x.box_dim == (ch.BLOCK_K, ch.BLOCK_M) and x.element_strides == (1, 1)
+    w = ch.tensor_map_spec(2056, 2056, ch.BLOCK_N)
+    assert w.box_dim == (ch.BLOCK_K, ch.BLOCK_N)
+    # The kernel's expected transaction bytes are the two full boxes (zero-filled parts count).
+    assert 2 * (x.box_dim[0] * x.box_dim[1] + w.box_dim[0] * w.box_dim[1]) == (
+        _constexpr("kBlockM") + _constexpr("kBlockN")) * _constexpr("kBlockK") * 2
+    for spec in (x, w):
+        assert all(s % 16 == 0 for s in spec.global_strides)
+        assert spec.box_dim[0] * 2 == 128 and spec.box_dim[1] <= 256
+    with pytest.raises(ValueError, match="cols divisible by 8"):
+        ch.tensor_map_spec(4, 12, 128)
+    with pytest.raises(ValueError, match="1..256 rows"):
+        ch.tensor_map_spec(4, 8, 512)
+
+
+def test_launcher_validation_on_cpu_tensors():
+    hs = torch.zeros((3, 2, 4, 16), dtype=torch.bfloat16)
+    w = torch.zeros((2, 16, 16), dtype=torch.bfloat16)
+    y = torch.zeros((2, 2, 4, 16), dtype=torch.float32)
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        ch.launch_v2(hs, w, y, 0)
+    with pytest.raises(TypeError, match="dtype bfloat16"):
+        ch.launch_v2(hs.float(), w, y, 0)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        ch.launch_v2(torch.zeros((3, 2, 4, 12), dtype=torch.bfloat16), w, y, 0)
+    with pytest.raises(ValueError, match="N-1 = 2 matrices"):
+        ch.launch_v2(hs, [w[0]], y, 0)
+    with pytest.raises(ValueError, match=r"\[N, B, S, H\] or \[N, M, H\]"):
+        ch.launch_v2(hs[0, 0], w, y, 0)
+    with pytest.raises(TypeError, match="torch CUDA tensor"):
+        ch.launch_v2([1, 2], w, y, 0)
+    with pytest.raises(ValueError, match="streams"):
+        ch.collapse_v2(torch.zeros((5, 1, 1, 8), dtype=torch.bfloat16), w, 1e-5)
+
+
+def test_compiles_for_sm90a_without_spills_or_stack():
+    build = compile_offline(ch.SOURCE)
+    kernels = {k.name: k for k in build.kernels}
+    assert len(kernels) == len(ch.SOURCE.name_expressions), build.log
+    for k in kernels.values():
+        assert (k.stack_frame_bytes, k.spill_store_bytes, k.spill_load_bytes) == (0, 0, 0), (k, build.log)
+    gemm = [k for name, k in kernels.items() if "collapse_gemm_sm90" in name]
+    assert gemm and all(k.registers <= 65536 // ch.THREADS for k in gemm)
+    # C7508: setmaxnreg ignored; C7518/C7510: wgmma serialized. Either would cost the design.
+    assert not re.search(r"C75(08|10|18)", build.log), build.log
+    assert "sm_90a" in build.log
+
+
+# ---- GPU tests -----------------------------------------------------------------------------------
+
+def _script():
+    spec = importlib.util.spec_from_file_location("check_collapse_hopper", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams,rows,hidden,stacked", [
+    (3, 1, 3072, True), (2, 131, 1000, False), (4, 613, 2056, True), (3, 2048, 3072, False)])
+def test_gemm_v2_matches_float64(streams, rows, hidden, stacked, seeds):
+    if not _hopper():
+        pytest.skip("collapse v2 needs a Hopper GPU (compute capability 9.0)")
+    result = _script().check_gemm(streams, rows, hidden, seeds(), stacked)
+    assert result["passed"], result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [0, 3, 9, 12])
+def test_collapse_v2_benchmark_rule_and_oracle(index, seeds):
+    if not _hopper():
+        pytest.skip("collapse v2 needs a Hopper GPU (compute capability 9.0)")
+    workload = benchmark_workloads("collapse")[index]
+    result = _script().check_collapse(workload, seeds(), stacked=index % 2 == 0)
+    assert result["passed"], result
