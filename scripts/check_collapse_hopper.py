@@ -167,7 +167,7 @@ def time_workload(w: Workload, seed: int, reps: int, warmup: int, info: dict) ->
 
     impls = {
         "torch_mm_fp32out": cublas,
-        "v2_gemm": lambda: collapse_hopper.launch_v2(hs, ws, y, stream),
+        "v2_gemm": lambda: collapse_hopper.launch_v2(xs, ws, y, stream),
         "altup_cupy_collapse": lambda: collapse_v1(hs, ws, eps),
         "collapse_v2": lambda: collapse_hopper.collapse_v2(hs, ws, eps),
     }

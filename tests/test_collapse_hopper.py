@@ -185,6 +185,21 @@ def test_tensor_map_specs():
         ch.tensor_map_spec(4, 8, 512)
 
 
+def test_encode_tensor_map_passes_the_bindings_argument_checks():
+    """Without a driver the call fails in the driver's loader, not on argument types; with one,
+    encoding needs no allocation at the address (it is not dereferenced)."""
+    try:
+        encoded = ch.encode_tensor_map(1 << 40, ch.tensor_map_spec(613, 3072, ch.BLOCK_M))
+    except TypeError as error:
+        pytest.fail(f"cuda-bindings rejected the arguments: {error}")
+    except Exception as error:  # no NVIDIA driver on this machine
+        assert "cuda" in str(error).lower(), error
+    else:
+        assert len(encoded) == ch.TENSOR_MAP_BYTES and any(encoded)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ch.encode_tensor_map((1 << 40) + 8, ch.tensor_map_spec(4, 8, 4))
+
+
 def test_launcher_validation_on_cpu_tensors():
     hs = torch.zeros((3, 2, 4, 16), dtype=torch.bfloat16)
     w = torch.zeros((2, 16, 16), dtype=torch.bfloat16)

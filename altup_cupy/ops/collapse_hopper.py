@@ -17,7 +17,6 @@ import ctypes
 import struct
 import threading
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Sequence
 
 from .. import _arrays
@@ -129,8 +128,10 @@ def encode_tensor_map(address: int, spec: TensorMapSpec) -> bytes:
         raise ValueError(f"a TMA tensor must start at a 16-byte aligned address, got {address:#x}")
     error, tensor_map = driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, address,
-        list(spec.global_dim), list(spec.global_strides), list(spec.box_dim),
-        list(spec.element_strides),
+        [driver.cuuint64_t(v) for v in spec.global_dim],
+        [driver.cuuint64_t(v) for v in spec.global_strides],
+        [driver.cuuint32_t(v) for v in spec.box_dim],
+        [driver.cuuint32_t(v) for v in spec.element_strides],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -172,9 +173,15 @@ def _check(result, what: str):
     return result[1:] if isinstance(result, tuple) else ()
 
 
-@lru_cache(maxsize=None)
+_cubins: dict = {}
+
+
 def _cubin(source: KernelSource):
-    return compile_cubin(source, ARCH)
+    """The source's sm_90a cubin, compiled once per process."""
+    build = _cubins.get(source.filename)
+    if build is None:
+        build = _cubins[source.filename] = compile_cubin(source, ARCH)
+    return build
 
 
 _modules: dict = {}
