@@ -5,17 +5,17 @@
 
 Needs a Hopper GPU (compute capability 9.0), torch with CUDA, CuPy and cuda-bindings.
 1. Builds every kernel and prints ptxas' report.
-2. GEMM (launch_v2) against float64 on fresh random inputs: N = 2, 3, 4; odd H (1000, 2056) and
-   3072; M = 1, 7, 128, 613, 8192; weights stacked and as a list. Each output is poisoned (NaN)
+2. GEMM (launch_v2; launch_v3 with its row statistics) against float64 on fresh random inputs:
+   N = 2, 3, 4; odd H (1000, 2056) and 3072; M = 1, 7, 128, 613, 8192; weights stacked and as a list. Each output is poisoned (NaN)
    first; every element must lie within the rigorous fp32 summation bound K * 2^-22 * (|x| @ |w|^T);
    the relative L2 error may be at most twice that of the worse of fp32 torch and cuBLAS' bf16
    GEMM with fp32 output (torch.mm(..., out_dtype=torch.float32)) on the same inputs; two runs
    must agree bitwise; the inputs must be left unchanged.
-3. The full op (collapse_v2) on the 16 benchmark workloads, Gemma 3n's shapes and the odd shapes:
-   the benchmark rule and the 2x-fp32 oracle (altup_cupy.check), allocator poisoned with NaN,
+3. The full op (collapse_v2, collapse_v3) on the 16 benchmark workloads, Gemma 3n's shapes and
+   odd shapes: the benchmark rule and the 2x-fp32 oracle (altup_cupy.check), allocator poisoned with NaN,
    bitwise determinism over two runs.
 4. Times, L2 flushed, CUDA events, median (altup_cupy.bench.time_us): v2's GEMM against
-   torch.mm(x, w.T, out_dtype=torch.float32) per stream, and collapse_v2 against altup_cupy.collapse.
+   torch.mm(x, w.T, out_dtype=torch.float32) per stream, and collapse_v2/v3 against altup_cupy.collapse.
 Prints a table, writes the CSV, exits 1 on any failure.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from altup_cupy import collapse as collapse_v1
+from altup_cupy import collapse as collapse_current
 from altup_cupy.bench import run_info, sol_us, time_us, write_csv
 from altup_cupy.benchmarks.collapse import COLLAPSE
 from altup_cupy.check import ORACLE_FACTOR, ORACLE_FLOOR
@@ -44,6 +44,10 @@ GEMM_ROWS = (1, 7, 128, 613, 8192)
 # fp32 unit roundoff with truncation (2^-23) times 2: a bound on |fp32 sum - exact sum| / sum |terms|
 # per K term that holds for any summation order.
 FP32_BOUND_PER_TERM = 2.0 ** -22
+# Row statistics (a sum of 256 fp32 squares): a wrong row, column or tile is off by O(1).
+STATS_REL_TOLERANCE = 1e-4
+TIMED = ("torch_mm_fp32out", "v2_gemm", "altup_cupy_collapse", "collapse_v2", "collapse_v3")
+VERSIONS = {"collapse_v2": collapse_hopper.collapse_v2, "collapse_v3": collapse_hopper.collapse_v3}
 
 
 def _randn(shape, generator):
@@ -62,28 +66,34 @@ def _cublas_rel_l2(x, w, ref) -> float:
         return 0.0
 
 
-def check_gemm(streams: int, rows: int, hidden: int, seed: int, stacked: bool) -> dict:
-    """One launch_v2 shape against float64; returns a result row (passed + details)."""
+def check_gemm(streams: int, rows: int, hidden: int, seed: int, stacked: bool, stats: bool = False) -> dict:
+    """One launch_v2 (or, with `stats`, launch_v3) shape against float64; returns a result row."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     hs = _randn((streams, rows, hidden), g)
     w = _randn((streams - 1, hidden, hidden), g)
     weights = w if stacked else [w[k].clone() for k in range(streams - 1)]
     hs_before, w_before = hs.clone(), w.clone()
     stream = torch.cuda.current_stream().cuda_stream
+    col_tiles = -(-hidden // collapse_hopper.BLOCK_N)
     runs = []
     plan = None
     for _ in range(2):
         y = torch.full((streams - 1, rows, hidden), float("nan"), dtype=torch.float32, device="cuda")
-        plan = collapse_hopper.launch_v2(hs, weights, y, stream)
-        runs.append(y)
+        if stats:
+            sumsq = torch.full((streams - 1, rows, col_tiles), float("nan"), dtype=torch.float32, device="cuda")
+            plan = collapse_hopper.launch_v3(hs, weights, y, sumsq, stream)
+            runs.append((y, sumsq))
+        else:
+            plan = collapse_hopper.launch_v2(hs, weights, y, stream)
+            runs.append((y, y))
     torch.cuda.synchronize()
-    y, y_again = runs
-    deterministic = torch.equal(y, y_again)
+    (y, sumsq), (y_again, sumsq_again) = runs
+    deterministic = torch.equal(y, y_again) and torch.equal(sumsq, sumsq_again)
     unchanged = torch.equal(hs, hs_before) and (
         torch.equal(w, w_before) if stacked else all(torch.equal(a, b) for a, b in zip(weights, w_before)))
-    finite = bool(torch.isfinite(y).all().item())
+    finite = bool(torch.isfinite(y).all().item() and torch.isfinite(sumsq).all().item())
     worst_ratio = 0.0
-    rel = oracle = 0.0
+    rel = oracle = stats_rel = 0.0
     for k in range(streams - 1):
         x64, w64 = hs[k + 1].double(), w[k].double()
         ref = x64 @ w64.T
@@ -91,19 +101,24 @@ def check_gemm(streams: int, rows: int, hidden: int, seed: int, stacked: bool) -
         worst_ratio = max(worst_ratio, ((y[k].double() - ref).abs() / bound).max().item())
         rel = max(rel, _rel_l2(y[k], ref))
         oracle = max(oracle, _rel_l2(hs[k + 1].float() @ w[k].float().T, ref), _cublas_rel_l2(hs[k + 1], w[k], ref))
+        if stats:
+            padded = torch.nn.functional.pad(ref.square(), (0, col_tiles * collapse_hopper.BLOCK_N - hidden))
+            ref_sumsq = padded.view(rows, col_tiles, collapse_hopper.BLOCK_N).sum(-1)
+            stats_rel = max(stats_rel, ((sumsq[k].double() - ref_sumsq).abs() / ref_sumsq).max().item())
         del ref, bound, x64, w64
     passed = (finite and worst_ratio <= 1.0 and rel <= max(ORACLE_FACTOR * oracle, ORACLE_FLOOR)
-              and deterministic and unchanged)
+              and stats_rel <= STATS_REL_TOLERANCE and deterministic and unchanged)
     return {
-        "check": "gemm_v2", "shape": f"N{streams}_M{rows}_H{hidden}_{'stacked' if stacked else 'list'}",
+        "check": "gemm_v3" if stats else "gemm_v2",
+        "shape": f"N{streams}_M{rows}_H{hidden}_{'stacked' if stacked else 'list'}",
         "passed": passed, "detail": (f"splits={plan.splits} grid={plan.grid} bound_ratio={worst_ratio:.3f} "
-                                     f"rel_l2={rel:.2e} fp32_rel_l2={oracle:.2e} finite={finite} "
-                                     f"deterministic={deterministic} inputs_unchanged={unchanged}"),
+                                     f"rel_l2={rel:.2e} fp32_rel_l2={oracle:.2e} stats_rel={stats_rel:.1e} "
+                                     f"finite={finite} deterministic={deterministic} inputs_unchanged={unchanged}"),
     }
 
 
-def check_collapse(w: Workload, seed: int, stacked: bool = True) -> dict:
-    """collapse_v2 on one workload by the benchmark rule and the oracle; allocator poisoned."""
+def check_collapse(w: Workload, seed: int, stacked: bool = True, version: str = "collapse_v2") -> dict:
+    """collapse_v2 or collapse_v3 on one workload by the benchmark rule and the oracle; allocator poisoned."""
     inputs = collapse_inputs(w, seed)
     hs, ws, eps = inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"]
     weights = ws if stacked else [ws[k].clone() for k in range(w.streams - 1)]
@@ -113,7 +128,7 @@ def check_collapse(w: Workload, seed: int, stacked: bool = True) -> dict:
         # Freed blocks of NaN: the caching allocator hands them to the next allocations.
         poison = torch.full(((w.streams + 1) * w.tokens * w.hidden,), float("nan"), device="cuda")
         del poison
-        outs.append(collapse_hopper.collapse_v2(hs, weights, eps))
+        outs.append(VERSIONS[version](hs, weights, eps))
     torch.cuda.synchronize()
     out = outs[0]
     ref = collapse_reference(hs, ws, eps)
@@ -125,7 +140,7 @@ def check_collapse(w: Workload, seed: int, stacked: bool = True) -> dict:
     oracle_ok = report.rel_l2 <= max(ORACLE_FACTOR * oracle, ORACLE_FLOOR)
     passed = report.passed and oracle_ok and deterministic and unchanged
     return {
-        "check": "collapse_v2", "shape": f"{w.label}_{'stacked' if stacked else 'list'}", "passed": passed,
+        "check": version, "shape": f"{w.label}_{'stacked' if stacked else 'list'}", "passed": passed,
         "detail": (f"match={report.match_ratio:.6f} rel_l2={report.rel_l2:.2e} fp32_rel_l2={oracle:.2e} "
                    f"finite={report.finite} deterministic={deterministic} inputs_unchanged={unchanged}"),
     }
@@ -168,8 +183,9 @@ def time_workload(w: Workload, seed: int, reps: int, warmup: int, info: dict) ->
     impls = {
         "torch_mm_fp32out": cublas,
         "v2_gemm": lambda: collapse_hopper.launch_v2(xs, ws, y, stream),
-        "altup_cupy_collapse": lambda: collapse_v1(hs, ws, eps),
+        "altup_cupy_collapse": lambda: collapse_current(hs, ws, eps),
         "collapse_v2": lambda: collapse_hopper.collapse_v2(hs, ws, eps),
+        "collapse_v3": lambda: collapse_hopper.collapse_v3(hs, ws, eps),
     }
     rows = []
     for name, fn in impls.items():
@@ -217,9 +233,11 @@ def main() -> int:
         for h in GEMM_HIDDEN:
             for m in GEMM_ROWS:
                 run("gemm_v2", check_gemm, n, m, h, stacked=(m + n) % 2 == 0)
+                run("gemm_v3", check_gemm, n, m, h, stacked=(m + n) % 2 == 1, stats=True)
     workloads = benchmark_workloads("collapse") + gemma3n_workloads("collapse") + odd_workloads()
     for i, w in enumerate(workloads):
-        run("collapse_v2", check_collapse, w, stacked=i % 3 != 2)
+        for version in VERSIONS:
+            run(version, check_collapse, w, stacked=i % 3 != 2, version=version)
         torch.cuda.empty_cache()
 
     info = run_info()
@@ -230,17 +248,16 @@ def main() -> int:
         torch.cuda.empty_cache()
     write_csv(rows, args.out)
 
-    print(f"\n{'workload':24s} " + " ".join(f"{n:>20s}" for n in
-          ("torch_mm_fp32out", "v2_gemm", "altup_cupy_collapse", "collapse_v2")))
+    print(f"\n{'workload':24s} " + " ".join(f"{n:>20s}" for n in TIMED))
     by_workload = {}
     for r in rows:
         by_workload.setdefault((r["N"], r["H"], r["batch_size"], r["seq_len"], r["suite"]), {})[r["impl"]] = r
     for (n, h, b, s, _), impls in by_workload.items():
         cells = [f"{impls[i]['median_us']:>12.1f} us {impls[i]['pct_sol']:4.0f}%" if i in impls else f"{'-':>20s}"
-                 for i in ("torch_mm_fp32out", "v2_gemm", "altup_cupy_collapse", "collapse_v2")]
+                 for i in TIMED]
         print(f"N{n}_H{h}_B{b}_S{s:<8d} " + " ".join(cells))
     bench_rows = [r for r in rows if r["H"] == 3072 and r["N"] == 3]
-    for impl in ("torch_mm_fp32out", "v2_gemm", "altup_cupy_collapse", "collapse_v2"):
+    for impl in TIMED:
         times = [r["median_us"] for r in bench_rows if r["impl"] == impl]
         if times:
             print(f"mean over the {len(times)} benchmark workloads, {impl}: {statistics.mean(times):.1f} us")

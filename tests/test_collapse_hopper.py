@@ -147,6 +147,13 @@ def test_small_m_plans_fill_the_gpu(w):
         assert plan.splits == 1 or plan.units <= 132, plan
 
 
+def test_plan_without_k_splits():
+    """v3's row statistics need whole rows of K: its plans never split."""
+    for rows in (1, 128, 613, 8192):
+        plan = ch.plan_gemm(rows, 3072, 2, 132, split_k=False)
+        assert plan.splits == 1 and plan.k_blocks_per_split == plan.k_blocks == 48
+
+
 def test_plan_rejects_bad_shapes():
     for kwargs in (dict(rows=0, hidden=8, projections=1, sms=1), dict(rows=1, hidden=12, projections=1, sms=1),
                    dict(rows=1, hidden=8, projections=4, sms=1), dict(rows=1, hidden=8, projections=1, sms=0)):
@@ -247,20 +254,22 @@ def _hopper() -> bool:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stats", [False, True], ids=["v2", "v3"])
 @pytest.mark.parametrize("streams,rows,hidden,stacked", [
     (3, 1, 3072, True), (2, 131, 1000, False), (4, 613, 2056, True), (3, 2048, 3072, False)])
-def test_gemm_v2_matches_float64(streams, rows, hidden, stacked, seeds):
+def test_gemm_matches_float64(streams, rows, hidden, stacked, stats, seeds):
     if not _hopper():
-        pytest.skip("collapse v2 needs a Hopper GPU (compute capability 9.0)")
-    result = _script().check_gemm(streams, rows, hidden, seeds(), stacked)
+        pytest.skip("collapse v2/v3 need a Hopper GPU (compute capability 9.0)")
+    result = _script().check_gemm(streams, rows, hidden, seeds(), stacked, stats=stats)
     assert result["passed"], result
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", ["collapse_v2", "collapse_v3"])
 @pytest.mark.parametrize("index", [0, 3, 9, 12])
-def test_collapse_v2_benchmark_rule_and_oracle(index, seeds):
+def test_collapse_benchmark_rule_and_oracle(index, version, seeds):
     if not _hopper():
-        pytest.skip("collapse v2 needs a Hopper GPU (compute capability 9.0)")
+        pytest.skip("collapse v2/v3 need a Hopper GPU (compute capability 9.0)")
     workload = benchmark_workloads("collapse")[index]
-    result = _script().check_collapse(workload, seeds(), stacked=index % 2 == 0)
+    result = _script().check_collapse(workload, seeds(), stacked=index % 2 == 0, version=version)
     assert result["passed"], result

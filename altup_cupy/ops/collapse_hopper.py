@@ -5,6 +5,10 @@ streams in one persistent launch (TMA tile loads into a 4-stage shared-memory ri
 consumer warpgroups, a producer warpgroup); when M is small the K dimension is split so that
 every SM streams its share of the weights, and `collapse_split_sum` adds the splits' fp32
 partials in a fixed order. The magnitude epilogue is v1's (`collapse_epilogue_v1`).
+v3: the same GEMM (`collapse_gemm_sm90<true>`) also writes each row's sum of squares per column
+tile from its fp32 accumulators (fixed order, no atomics), so `collapse_epilogue_v3` needs no
+reduction over y_k and reads it once, streamed. It applies when K is not split (M large enough
+to fill the GPU with output tiles); otherwise collapse_v3 is collapse_v2.
 
 The kernels are launched through the CUDA driver (cuda-bindings) because their parameter is one
 struct holding the TMA tensor maps (`CollapseGemmParams`), passed by value. Launchers take torch
@@ -27,8 +31,13 @@ from ..collapse import SUPPORTED_STREAMS, epilogue_launch_shape
 
 ARCH = "sm_90a"
 GEMM_V2 = "collapse_gemm_sm90<false>"
+GEMM_V3 = "collapse_gemm_sm90<true>"
 SPLIT_SUM = "collapse_split_sum"
-SOURCE = KernelSource("kernels/collapse_v2.cu", (GEMM_V2, SPLIT_SUM), min_arch=ARCH)
+SOURCE = KernelSource(
+    "kernels/collapse_v2.cu",
+    (GEMM_V2, GEMM_V3, SPLIT_SUM, *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)),
+    min_arch=ARCH,
+)
 
 # Mirrors of the constants of kernels/collapse_v2.cu (tests/test_collapse_hopper.py checks them).
 BLOCK_M = 128
@@ -50,6 +59,7 @@ PARAMS_BYTES = 832
 # partial's write stay small next to its loads.
 MIN_K_BLOCKS_PER_SPLIT = 4
 SPLIT_SUM_THREADS = 256
+EPILOGUE_V3_MAX_THREADS = 512
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -73,11 +83,11 @@ class GemmPlan:
     grid: int
 
 
-def plan_gemm(rows: int, hidden: int, projections: int, sms: int) -> GemmPlan:
+def plan_gemm(rows: int, hidden: int, projections: int, sms: int, split_k: bool = True) -> GemmPlan:
     """Tiles for M = `rows`, H = `hidden`, N-1 = `projections` on a GPU with `sms` SMs.
 
-    When the output tiles alone cannot occupy every SM (small M: weight-bandwidth bound), K is
-    split into as many ranges as fill the SMs, each at least MIN_K_BLOCKS_PER_SPLIT blocks long;
+    With `split_k`, when the output tiles alone cannot occupy every SM (small M: weight-bandwidth
+    bound), K is split into as many ranges as fill the SMs, each at least MIN_K_BLOCKS_PER_SPLIT blocks long;
     the split count is then lowered until no range is empty.
     """
     if rows < 1 or hidden < 8 or hidden % 8 or not 1 <= projections <= MAX_PROJECTIONS or sms < 1:
@@ -91,7 +101,7 @@ def plan_gemm(rows: int, hidden: int, projections: int, sms: int) -> GemmPlan:
     k_blocks = _ceil_div(hidden, BLOCK_K)
     tiles = projections * row_tiles * col_tiles
     splits = 1
-    if tiles < sms:
+    if split_k and tiles < sms:
         splits = max(1, min(sms // tiles, k_blocks // MIN_K_BLOCKS_PER_SPLIT))
     per_split = _ceil_div(k_blocks, splits)
     splits = _ceil_div(k_blocks, per_split)
@@ -288,12 +298,13 @@ _prepared: dict = {}
 _PREPARED_LIMIT = 64
 
 
-def _prepare(hs_ptr: int, w_ptrs: Sequence[int], streams: int, rows: int, hidden: int, device: int) -> _Prepared:
+def _prepare(hs_ptr: int, w_ptrs: Sequence[int], streams: int, rows: int, hidden: int, device: int,
+             split_k: bool) -> _Prepared:
     """The plan and tensor maps of these operands (cached by shape and addresses)."""
-    key = (device, hs_ptr, tuple(w_ptrs), streams, rows, hidden)
+    key = (device, hs_ptr, tuple(w_ptrs), streams, rows, hidden, split_k)
     prepared = _prepared.get(key)
     if prepared is None:
-        plan = plan_gemm(rows, hidden, streams - 1, _device_sms(device))
+        plan = plan_gemm(rows, hidden, streams - 1, _device_sms(device), split_k)
         x_spec = tensor_map_spec(rows, hidden, BLOCK_M)
         w_spec = tensor_map_spec(hidden, hidden, BLOCK_N)
         stream_bytes = 2 * rows * hidden
@@ -319,26 +330,27 @@ def _split_workspace(device: int, stream: int, elements: int):
     return workspace
 
 
-def launch_v2(hidden_states: Any, weights: Any, out_y: Any, stream: int) -> GemmPlan | None:
-    """out_y[k] = hidden_states[k + 1] @ weights[k]^T (fp32) for k < N-1, on CUDA stream `stream`.
-
-    hidden_states: bf16 [N, B, S, H] or [N, M, H]; weights: N-1 bf16 [H, H] (a list, or stacked
-    [N-1, H, H]); out_y: fp32 [N-1, M, H] (or [N-1, B, S, H]), overwritten. Returns the plan used
-    (None when M = 0: nothing to do).
-    """
+def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, stream: int) -> GemmPlan | None:
+    """v2 (out_row_sumsq None: K split when M is small) or v3 (row statistics, K never split)."""
     hs, w_ptrs, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
     y = _arrays.accept("out_y", out_y, F32, (streams - 1, *hs.shape[1:]), vector_rows=True)
-    _arrays.same_device([hs, y])
+    stats = out_row_sumsq is not None
     if rows == 0:
         return None
-    prepared = _prepare(hs.ptr, w_ptrs, streams, rows, hidden, device)
+    prepared = _prepare(hs.ptr, w_ptrs, streams, rows, hidden, device, split_k=not stats)
     plan = prepared.plan
-    gemm = _function(SOURCE, GEMM_V2, device, SHARED_BYTES)
+    checked = [hs, y]
+    if stats:
+        row_sumsq = _arrays.accept("out_row_sumsq", out_row_sumsq, F32, (streams - 1, rows, plan.col_tiles))
+        checked.append(row_sumsq)
+    _arrays.same_device(checked)
+    expression = GEMM_V3 if stats else GEMM_V2
+    gemm = _function(SOURCE, expression, device, SHARED_BYTES)
     slab = (streams - 1) * rows * hidden
     target = y.ptr if plan.splits == 1 else _split_workspace(device, stream, plan.splits * slab).data_ptr()
-    params = ctypes.create_string_buffer(pack_params(prepared.x_maps, prepared.w_maps, target, 0, plan),
-                                         PARAMS_BYTES)
-    _launch(gemm, device, plan.grid, THREADS, SHARED_BYTES, stream, [params], GEMM_V2)
+    packed = pack_params(prepared.x_maps, prepared.w_maps, target, row_sumsq.ptr if stats else 0, plan)
+    params = ctypes.create_string_buffer(packed, PARAMS_BYTES)
+    _launch(gemm, device, plan.grid, THREADS, SHARED_BYTES, stream, [params], expression)
     if plan.splits > 1:
         count = slab // 4
         blocks = min(_ceil_div(count, SPLIT_SUM_THREADS), 8 * _device_sms(device))
@@ -348,25 +360,72 @@ def launch_v2(hidden_states: Any, weights: Any, out_y: Any, stream: int) -> Gemm
     return plan
 
 
-def collapse_v2(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
-    """The collapse (SPEC section 1) with v2's projections and v1's epilogue: bf16 [B, S, H].
+def launch_v2(hidden_states: Any, weights: Any, out_y: Any, stream: int) -> GemmPlan | None:
+    """out_y[k] = hidden_states[k + 1] @ weights[k]^T (fp32) for k < N-1, on CUDA stream `stream`.
 
-    Runs on torch's current stream of the tensors' device.
+    hidden_states: bf16 [N, B, S, H] or [N, M, H]; weights: N-1 bf16 [H, H] (a list, or stacked
+    [N-1, H, H]); out_y: fp32 [N-1, M, H] (or [N-1, B, S, H]), overwritten. Returns the plan used
+    (None when M = 0: nothing to do).
     """
+    return _run_gemm(hidden_states, weights, out_y, None, stream)
+
+
+def launch_v3(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, stream: int) -> GemmPlan | None:
+    """launch_v2 without K splits, plus out_row_sumsq[k, t, c] = sum of out_y[k, t, j]^2 over the
+    columns j of column tile c (fp32 [N-1, M, ceil(H / BLOCK_N)])."""
+    return _run_gemm(hidden_states, weights, out_y, out_row_sumsq, stream)
+
+
+def uses_row_statistics(rows: int, hidden: int, streams: int, device: int) -> bool:
+    """Whether collapse_v3 takes v3's path: only when v2 would not split K (for small M, splitting
+    K to fill the GPU is worth more than the statistics)."""
+    return plan_gemm(rows, hidden, streams - 1, _device_sms(device)).splits == 1
+
+
+def _collapse(hidden_states: Any, weights: Any, eps: float, row_statistics: bool) -> Any:
     import torch
 
-    hs, w_ptrs, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
+    hs, _, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
     eps = _arrays.positive_finite("eps", eps)
     out = torch.empty(hs.shape[1:], dtype=torch.bfloat16, device=hidden_states.device)
     if rows == 0:
         return out
     stream = torch.cuda.current_stream(device).cuda_stream
     y = torch.empty((streams - 1, rows, hidden), dtype=torch.float32, device=hidden_states.device)
-    launch_v2(hidden_states.view(streams, rows, hidden), weights, y, stream)
-    chunks, threads = epilogue_launch_shape(streams, hidden)
-    epilogue = _function(EPILOGUE_V1_SOURCE, f"collapse_epilogue_v1<{streams}, {chunks}>", device)
-    args = [ctypes.c_uint64(hs.ptr), ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(out.data_ptr()),
-            ctypes.c_int32(hidden), ctypes.c_int64(rows), ctypes.c_float(eps)]
+    x = hidden_states.view(streams, rows, hidden)
+    common = [ctypes.c_uint64(hs.ptr), ctypes.c_uint64(y.data_ptr())]
+    if row_statistics and uses_row_statistics(rows, hidden, streams, device):
+        row_sumsq = torch.empty((streams - 1, rows, _ceil_div(hidden, BLOCK_N)), dtype=torch.float32,
+                                device=hidden_states.device)
+        plan = launch_v3(x, weights, y, row_sumsq, stream)
+        epilogue = _function(SOURCE, f"collapse_epilogue_v3<{streams}>", device)
+        threads = min(EPILOGUE_V3_MAX_THREADS, max(32, _ceil_div(hidden // 8, 32) * 32))
+        args = common + [ctypes.c_uint64(row_sumsq.data_ptr()), ctypes.c_uint64(out.data_ptr()),
+                         ctypes.c_int32(hidden), ctypes.c_int64(rows), ctypes.c_int32(plan.col_tiles),
+                         ctypes.c_float(eps)]
+        name = "collapse_epilogue_v3"
+    else:
+        launch_v2(x, weights, y, stream)
+        chunks, threads = epilogue_launch_shape(streams, hidden)
+        epilogue = _function(EPILOGUE_V1_SOURCE, f"collapse_epilogue_v1<{streams}, {chunks}>", device)
+        args = common + [ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(hidden), ctypes.c_int64(rows),
+                         ctypes.c_float(eps)]
+        name = "collapse_epilogue_v1"
     # One block per row: the grid's x extent allows 2^31 - 1 rows.
-    _launch(epilogue, device, rows, threads, 0, stream, args, "collapse_epilogue_v1")
+    _launch(epilogue, device, rows, threads, 0, stream, args, name)
     return out
+
+
+def collapse_v2(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
+    """The collapse (SPEC section 1) with v2's projections and v1's epilogue: bf16 [B, S, H].
+
+    hidden_states bf16 [N, B, S, H]; weights N-1 bf16 [H, H] (list or stacked). Runs on torch's
+    current stream of the tensors' device.
+    """
+    return _collapse(hidden_states, weights, eps, row_statistics=False)
+
+
+def collapse_v3(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
+    """As collapse_v2, with the projections' row statistics taken from the GEMM's accumulators
+    (collapse_epilogue_v3 reads each y_k once, streamed) whenever K is not split."""
+    return _collapse(hidden_states, weights, eps, row_statistics=True)
