@@ -194,8 +194,9 @@ def _cubin(source: KernelSource):
     return build
 
 
-_modules: dict = {}
-_contexts: dict = {}
+_modules: dict = {}  # (filename, device) -> CUmodule
+_functions: dict = {}  # (filename, expression, device) -> CUfunction
+_contexts: dict = {}  # device -> its primary CUcontext
 _modules_lock = threading.Lock()
 
 
@@ -217,7 +218,7 @@ def _function(source: KernelSource, expression: str, device: int, shared_bytes: 
     from cuda.bindings import driver
 
     key = (source.filename, expression, device)
-    function = _modules.get(key)
+    function = _functions.get(key)
     if function is None:
         with _modules_lock:
             _make_current(device)
@@ -235,7 +236,7 @@ def _function(source: KernelSource, expression: str, device: int, shared_bytes: 
                 _check(driver.cuFuncSetAttribute(
                     function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     shared_bytes), f"cuFuncSetAttribute({expression}, {shared_bytes} bytes shared)")
-            _modules[key] = function
+            _functions[key] = function
     return function
 
 
