@@ -22,8 +22,10 @@ Prints a table, writes the CSV, exits 1 on any failure.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -44,14 +46,33 @@ GEMM_ROWS = (1, 7, 128, 613, 8192)
 # fp32 unit roundoff with truncation (2^-23) times 2: a bound on |fp32 sum - exact sum| / sum |terms|
 # per K term that holds for any summation order.
 FP32_BOUND_PER_TERM = 2.0 ** -22
+HANG_LIMIT_S = 60.0
+# Where the checks allocate; tests/test_collapse_hopper.py runs the checkers themselves on the CPU
+# against stand-in implementations.
+DEVICE = "cuda"
 # Row statistics (a sum of 256 fp32 squares): a wrong row, column or tile is off by O(1).
 STATS_REL_TOLERANCE = 1e-4
 TIMED = ("torch_mm_fp32out", "v2_gemm", "altup_cupy_collapse", "collapse_v2", "collapse_v3")
 VERSIONS = {"collapse_v2": collapse_hopper.collapse_v2, "collapse_v3": collapse_hopper.collapse_v3}
 
 
+def _finish(what: str, limit_s: float = HANG_LIMIT_S) -> None:
+    """Wait for the GPU's queued work; a kernel that has not finished after `limit_s` is reported
+    as hung and the process exits (a hung kernel never returns control to Python otherwise)."""
+    if DEVICE == "cpu":
+        return
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + limit_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            print(f"HUNG: {what} did not finish within {limit_s:.0f} s", flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
 def _randn(shape, generator):
-    return torch.randn(shape, generator=generator, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    return torch.randn(shape, generator=generator, device=DEVICE, dtype=torch.float32).to(torch.bfloat16)
 
 
 def _rel_l2(out, ref) -> float:
@@ -59,34 +80,34 @@ def _rel_l2(out, ref) -> float:
 
 
 def _cublas_rel_l2(x, w, ref) -> float:
-    """cuBLAS' error on the same product (0 when this torch has no torch.mm(..., out_dtype=))."""
+    """cuBLAS' error on the same product (0 where torch has no torch.mm(..., out_dtype=) for it)."""
     try:
         return _rel_l2(torch.mm(x, w.T, out_dtype=torch.float32), ref)
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return 0.0
 
 
 def check_gemm(streams: int, rows: int, hidden: int, seed: int, stacked: bool, stats: bool = False) -> dict:
     """One launch_v2 (or, with `stats`, launch_v3) shape against float64; returns a result row."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     hs = _randn((streams, rows, hidden), g)
     w = _randn((streams - 1, hidden, hidden), g)
     weights = w if stacked else [w[k].clone() for k in range(streams - 1)]
     hs_before, w_before = hs.clone(), w.clone()
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream().cuda_stream if DEVICE == "cuda" else 0
     col_tiles = -(-hidden // collapse_hopper.BLOCK_N)
     runs = []
     plan = None
     for _ in range(2):
-        y = torch.full((streams - 1, rows, hidden), float("nan"), dtype=torch.float32, device="cuda")
+        y = torch.full((streams - 1, rows, hidden), float("nan"), dtype=torch.float32, device=DEVICE)
         if stats:
-            sumsq = torch.full((streams - 1, rows, col_tiles), float("nan"), dtype=torch.float32, device="cuda")
+            sumsq = torch.full((streams - 1, rows, col_tiles), float("nan"), dtype=torch.float32, device=DEVICE)
             plan = collapse_hopper.launch_v3(hs, weights, y, sumsq, stream)
             runs.append((y, sumsq))
         else:
             plan = collapse_hopper.launch_v2(hs, weights, y, stream)
             runs.append((y, y))
-    torch.cuda.synchronize()
+    _finish(f"{'launch_v3' if stats else 'launch_v2'} N={streams} M={rows} H={hidden}")
     (y, sumsq), (y_again, sumsq_again) = runs
     deterministic = torch.equal(y, y_again) and torch.equal(sumsq, sumsq_again)
     unchanged = torch.equal(hs, hs_before) and (
@@ -119,17 +140,17 @@ def check_gemm(streams: int, rows: int, hidden: int, seed: int, stacked: bool, s
 
 def check_collapse(w: Workload, seed: int, stacked: bool = True, version: str = "collapse_v2") -> dict:
     """collapse_v2 or collapse_v3 on one workload by the benchmark rule and the oracle; allocator poisoned."""
-    inputs = collapse_inputs(w, seed)
+    inputs = collapse_inputs(w, seed, device=DEVICE)
     hs, ws, eps = inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"]
     weights = ws if stacked else [ws[k].clone() for k in range(w.streams - 1)]
     hs_before = hs.clone()
     outs = []
     for _ in range(2):
         # Freed blocks of NaN: the caching allocator hands them to the next allocations.
-        poison = torch.full(((w.streams + 1) * w.tokens * w.hidden,), float("nan"), device="cuda")
+        poison = torch.full(((w.streams + 1) * w.tokens * w.hidden,), float("nan"), device=DEVICE)
         del poison
         outs.append(VERSIONS[version](hs, weights, eps))
-    torch.cuda.synchronize()
+    _finish(f"{version} {w.label}")
     out = outs[0]
     ref = collapse_reference(hs, ws, eps)
     oracle_out = collapse_reference(hs, ws, eps, torch.float32).to(torch.bfloat16)
@@ -173,7 +194,7 @@ def time_workload(w: Workload, seed: int, reps: int, warmup: int, info: dict) ->
     inputs = collapse_inputs(w, seed)
     hs, ws, eps = inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"]
     xs = hs.view(w.streams, w.tokens, w.hidden)
-    y = torch.empty((w.streams - 1, w.tokens, w.hidden), dtype=torch.float32, device="cuda")
+    y = torch.empty((w.streams - 1, w.tokens, w.hidden), dtype=torch.float32, device=DEVICE)
     stream = torch.cuda.current_stream().cuda_stream
 
     def cublas():
@@ -191,7 +212,7 @@ def time_workload(w: Workload, seed: int, reps: int, warmup: int, info: dict) ->
     for name, fn in impls.items():
         try:
             times, _ = time_us(fn, reps, warmup)
-        except TypeError as error:  # a torch without torch.mm(..., out_dtype=)
+        except (TypeError, NotImplementedError) as error:  # a torch without torch.mm(..., out_dtype=)
             print(f"  {name}: not timed ({error})")
             continue
         rows.append(_row(w, name, times, info))

@@ -240,13 +240,72 @@ def test_compiles_for_sm90a_without_spills_or_stack():
     assert "sm_90a" in build.log
 
 
-# ---- GPU tests -----------------------------------------------------------------------------------
-
 def _script():
     spec = importlib.util.spec_from_file_location("check_collapse_hopper", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ---- the GPU script's checkers, run on the CPU against stand-ins ---------------------------------
+
+def _gemm_stand_in(error: str | None):
+    """launch_v2/launch_v3 in fp32 torch; `error` plants one defect of the kind a kernel could have."""
+    def launch(hidden_states, weights, out_y, *rest):
+        stream = rest[-1]
+        assert stream == 0
+        for k in range(out_y.shape[0]):
+            y = hidden_states[k + 1].float() @ weights[k].float().T
+            if error == "swapped_columns":
+                y = y.roll(8, dims=-1)
+            if error == "one_nan":
+                y[0, 0] = float("nan")
+            out_y[k] = y
+        if len(rest) == 2:  # launch_v3: out_row_sumsq
+            sumsq = rest[0]
+            tiles = sumsq.shape[-1]
+            padded = torch.nn.functional.pad(out_y.square(), (0, tiles * ch.BLOCK_N - out_y.shape[-1]))
+            sumsq.copy_(padded.view(*out_y.shape[:2], tiles, ch.BLOCK_N).sum(-1))
+            if error == "stats_off":
+                sumsq[..., -1] *= 1.01
+        plan = ch.plan_gemm(out_y.shape[1], out_y.shape[2], out_y.shape[0], 132, split_k=len(rest) == 1)
+        return plan
+    return launch
+
+
+@pytest.mark.parametrize("stats", [False, True])
+@pytest.mark.parametrize("error", [None, "swapped_columns", "one_nan", "stats_off"])
+def test_gemm_checker_passes_exact_and_fails_planted_errors(monkeypatch, stats, error, seeds):
+    script = _script()
+    monkeypatch.setattr(script, "DEVICE", "cpu")
+    monkeypatch.setattr(ch, "launch_v3" if stats else "launch_v2", _gemm_stand_in(error))
+    result = script.check_gemm(3, 9, 264, seeds(), stacked=False, stats=stats)
+    expected = error is None or (error == "stats_off" and not stats)
+    assert result["passed"] is expected, result
+
+
+@pytest.mark.parametrize("error", [None, "unscaled", "nan"])
+def test_collapse_checker_passes_reference_and_fails_planted_errors(monkeypatch, error, seeds):
+    from altup_cupy.reference import collapse_reference
+    from altup_cupy.workloads import Workload
+
+    def stand_in(hidden_states, weights, eps):
+        out = collapse_reference(hidden_states, weights, eps, torch.float32)
+        if error == "unscaled":
+            out = out * 1.2
+        if error == "nan":
+            out[0, 0, 0] = float("nan")
+        return out.to(torch.bfloat16)
+
+    script = _script()
+    monkeypatch.setattr(script, "DEVICE", "cpu")
+    monkeypatch.setitem(script.VERSIONS, "collapse_v3", stand_in)
+    workload = Workload("collapse", 3, 264, 2, 5, 1e-5, 0.05, 1e-5)
+    result = script.check_collapse(workload, seeds(), stacked=True, version="collapse_v3")
+    assert result["passed"] is (error is None), result
+
+
+# ---- GPU tests -----------------------------------------------------------------------------------
 
 
 def _hopper() -> bool:
