@@ -96,7 +96,13 @@ def test_pack_params_round_trip():
     ints = struct.unpack_from("<8i", packed, ch.PARAM_OFFSETS["hidden"])
     assert ints == (2056, 3, plan.row_tiles, plan.col_tiles, plan.k_blocks, plan.splits,
                     plan.k_blocks_per_split, plan.units)
-    assert not any(packed[ch.PARAM_OFFSETS["units"] + 4:])  # tail padding stays zero
+    assert not any(packed[ch.PARAM_OFFSETS["units"] + 4:])  # no fused epilogue: zeros
+    fused = ch.FusedEpilogue(0x7F0000003000, 0x7F0000004000, 0x7F0000005000, 1e-5)
+    packed = ch.pack_params(x_maps, w_maps, 0x7F0000001000, 0x7F0000002000, plan, fused)
+    assert struct.unpack_from("<QQQf", packed, ch.PARAM_OFFSETS["stream0"]) == (
+        0x7F0000003000, 0x7F0000004000, 0x7F0000005000, struct.unpack("<f", struct.pack("<f", 1e-5))[0])
+    assert struct.unpack_from("<i", packed, ch.PARAM_OFFSETS["units"]) == (plan.units,)
+    assert not any(packed[ch.PARAM_OFFSETS["eps"] + 4:])
     two = ch.plan_gemm(5, 8, 1, 4)
     packed = ch.pack_params(x_maps[:1], w_maps[:1], 1, 0, two)
     assert not any(packed[128:384]) and not any(packed[512:768])  # unused map slots are zeros
@@ -324,11 +330,11 @@ def test_gemm_matches_float64(streams, rows, hidden, stacked, stats, seeds):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", ["collapse_v2", "collapse_v3"])
-@pytest.mark.parametrize("index", [0, 3, 9, 12])
+@pytest.mark.parametrize("version", ["collapse_v2", "collapse_v3", "collapse_v4"])
+@pytest.mark.parametrize("index", [0, 2, 3, 9, 12, 15])
 def test_collapse_benchmark_rule_and_oracle(index, version, seeds):
     if not _hopper():
-        pytest.skip("collapse v2/v3 need a Hopper GPU (compute capability 9.0)")
+        pytest.skip("collapse v2-v4 need a Hopper GPU (compute capability 9.0)")
     workload = benchmark_workloads("collapse")[index]
     result = _script().check_collapse(workload, seeds(), stacked=index % 2 == 0, version=version)
     assert result["passed"], result

@@ -14,7 +14,21 @@
 // split writing its own fp32 partial (summed later in a fixed order: deterministic).
 // Tails: TMA fills out-of-bounds rows/columns of a box with zeros (any M >= 1, any H divisible
 // by 8); stores are guarded by row and by 8-column chunk.
+//
+// Epilogue modes (the template argument of collapse_gemm_sm90):
+//   kStoreY (v2):      store y_k (fp32), or the K split's partial of it.
+//   kStoreYStats (v3): also each row's sum of squares over the tile's columns, from the fp32
+//                      accumulators (4 lanes per row combined in a fixed order), no K split.
+//   kFused (v4):       as v3, with units ordered row tile first, so the N-1 x column-tile units
+//                      of a row block run in the same wave; the CTA finishing a row block's last
+//                      unit (an integer counter per row block) applies the magnitude
+//                      normalisation to its 128 rows, reading y_k back while it is still in L2,
+//                      and writes the bf16 output: no separate epilogue pass over HBM.
 #include "common.cuh"
+
+constexpr int kStoreY = 0;
+constexpr int kStoreYStats = 1;
+constexpr int kFused = 2;
 
 constexpr int kBlockM = 128;
 constexpr int kBlockN = 256;
@@ -27,7 +41,7 @@ constexpr int kTileABytes = kBlockM * kBlockK * 2;
 constexpr int kTileBBytes = kBlockN * kBlockK * 2;
 constexpr int kStageBytes = kTileABytes + kTileBBytes;
 constexpr int kSwizzleAlign = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 bytes
-constexpr int kBarrierBytes = 2 * kStages * 8;
+constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full + empty barriers, kFused's flag
 constexpr int kSharedBytes = kSwizzleAlign + kStages * kStageBytes + kBarrierBytes;
 static_assert(kSharedBytes <= 227 * 1024, "more dynamic shared memory than an sm_90 block may have");
 constexpr int kMaxProjections = 3;  // N <= 4
@@ -58,6 +72,10 @@ struct CollapseGemmParams {
     int splits;
     int k_blocks_per_split;
     int units;                          // (N - 1) * row_tiles * col_tiles * splits
+    const uint4* stream0;               // kFused: hidden_states[0], [M, H] bf16
+    uint4* out_bf16;                    // kFused: the collapse's output, [M, H] bf16
+    unsigned int* row_counters;         // kFused: [row_tiles], zero between launches
+    float eps;                          // kFused
 };
 static_assert(__builtin_offsetof(CollapseGemmParams, w_maps) == 384, "host layout");
 static_assert(__builtin_offsetof(CollapseGemmParams, out) == 768, "host layout");
@@ -66,7 +84,11 @@ static_assert(__builtin_offsetof(CollapseGemmParams, rows) == 784, "host layout"
 static_assert(__builtin_offsetof(CollapseGemmParams, hidden) == 792, "host layout");
 static_assert(__builtin_offsetof(CollapseGemmParams, projections) == 796, "host layout");
 static_assert(__builtin_offsetof(CollapseGemmParams, units) == 820, "host layout");
-static_assert(sizeof(CollapseGemmParams) == 832, "host layout");
+static_assert(__builtin_offsetof(CollapseGemmParams, stream0) == 824, "host layout");
+static_assert(__builtin_offsetof(CollapseGemmParams, out_bf16) == 832, "host layout");
+static_assert(__builtin_offsetof(CollapseGemmParams, row_counters) == 840, "host layout");
+static_assert(__builtin_offsetof(CollapseGemmParams, eps) == 848, "host layout");
+static_assert(sizeof(CollapseGemmParams) == 896, "host layout");
 
 __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
@@ -182,26 +204,34 @@ struct WorkUnit {
     int k_end;
 };
 
-// Unit order: projection, row tile, column tile, split (innermost). CTAs running at the same time
-// share one row tile of x_k and walk the columns of W_k, which stays in L2.
+// Unit order for kStoreY / kStoreYStats: projection, row tile, column tile, split (innermost):
+// CTAs running at the same time share one row tile of x_k and walk the columns of W_k, which
+// stays in L2. kFused: row tile, projection, column tile, so a row block completes in one wave.
+template <int MODE>
 __device__ __forceinline__ WorkUnit decode_unit(const CollapseGemmParams& p, int unit) {
     WorkUnit w;
     w.split = unit % p.splits;
     int rest = unit / p.splits;
     w.col_tile = rest % p.col_tiles;
     rest /= p.col_tiles;
-    w.row_tile = rest % p.row_tiles;
-    w.projection = rest / p.row_tiles;
+    if constexpr (MODE == kFused) {
+        w.projection = rest % p.projections;
+        w.row_tile = rest / p.projections;
+    } else {
+        w.row_tile = rest % p.row_tiles;
+        w.projection = rest / p.row_tiles;
+    }
     w.k_begin = w.split * p.k_blocks_per_split;
     w.k_end = min(p.k_blocks, w.k_begin + p.k_blocks_per_split);
     return w;
 }
 
+template <int MODE>
 __device__ __forceinline__ void produce(const CollapseGemmParams& p, unsigned int tiles, unsigned int bars) {
     int stage = 0;
     unsigned int phase = 0;
     for (int unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
-        const WorkUnit w = decode_unit(p, unit);
+        const WorkUnit w = decode_unit<MODE>(p, unit);
         for (int kb = w.k_begin; kb < w.k_end; ++kb) {
             const unsigned int full = bars + 8 * stage, empty = bars + 8 * (kStages + stage);
             barrier_wait(empty, phase ^ 1);  // a fresh barrier counts as released once
@@ -214,32 +244,185 @@ __device__ __forceinline__ void produce(const CollapseGemmParams& p, unsigned in
     }
 }
 
-// Consumer `c` (0 or 1) computes rows [64c, 64c + 64) of each unit's tile.
-template <bool ROW_STATS>
-__device__ __forceinline__ void consume(const CollapseGemmParams& p, unsigned int tiles, unsigned int bars, int c) {
+// Accumulator layout of wgmma m64nN: thread (warp, lane) of a consumer holds rows
+// 16 warp + lane / 4 and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and
+// d[4 j + {2, 3}]. Stores this consumer's 64 rows of the unit's tile (and their statistics).
+template <int MODE>
+__device__ __forceinline__ void store_tile(const CollapseGemmParams& p, const WorkUnit& w, long long first_row,
+                                           const float (&d)[128]) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const long long row = first_row + 16 * warp + lane / 4;
+    const int col0 = w.col_tile * kBlockN;
+    const int hidden = p.hidden;
+    float* out = p.out + ((static_cast<long long>(w.split) * p.projections + w.projection) * p.rows) * hidden;
+    float sumsq_lo = 0.0f, sumsq_hi = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+        // H is a multiple of 8, so an 8-column chunk is entirely inside the row or outside it.
+        if (col0 + 8 * j < hidden) {
+            const int col = col0 + 8 * j + 2 * (lane % 4);
+            if (row < p.rows)
+                *reinterpret_cast<float2*>(out + row * hidden + col) = make_float2(d[4 * j], d[4 * j + 1]);
+            if (row + 8 < p.rows)
+                *reinterpret_cast<float2*>(out + (row + 8) * hidden + col) = make_float2(d[4 * j + 2], d[4 * j + 3]);
+        }
+        if constexpr (MODE == kStoreYStats || MODE == kFused) {
+            // Columns past H hold exact zeros (zero-filled W rows): no guard needed.
+            sumsq_lo = fmaf(d[4 * j], d[4 * j], sumsq_lo);
+            sumsq_lo = fmaf(d[4 * j + 1], d[4 * j + 1], sumsq_lo);
+            sumsq_hi = fmaf(d[4 * j + 2], d[4 * j + 2], sumsq_hi);
+            sumsq_hi = fmaf(d[4 * j + 3], d[4 * j + 3], sumsq_hi);
+        }
+    }
+    if constexpr (MODE == kStoreYStats || MODE == kFused) {
+        // The 4 lanes of a row combine in a fixed butterfly order: deterministic.
+#pragma unroll
+        for (int offset = 1; offset < 4; offset <<= 1) {
+            sumsq_lo += __shfl_xor_sync(0xffffffffu, sumsq_lo, offset);
+            sumsq_hi += __shfl_xor_sync(0xffffffffu, sumsq_hi, offset);
+        }
+        if (lane % 4 == 0) {
+            float* stats = p.row_sumsq + static_cast<long long>(w.projection) * p.rows * p.col_tiles + w.col_tile;
+            if (row < p.rows) stats[row * p.col_tiles] = sumsq_lo;
+            if (row + 8 < p.rows) stats[(row + 8) * p.col_tiles] = sumsq_hi;
+        }
+    }
+}
+
+// Named barrier 1 over the two consumer warpgroups (the producer never joins it).
+__device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(kConsumers * kWarpgroupThreads) : "memory");
+}
+
+constexpr int kFusedBatch = 2;  // slices in flight per lane in the fused epilogue
+
+// kFused: the collapse of the row block `row_tile`, by the 8 consumer warps of the CTA that
+// finished its last unit; warp g takes rows g, g + 8, ... Same math and order as
+// collapse_epilogue_v3 (stream 0's sum of squares by one warp in a fixed butterfly order).
+// y_k and the statistics were written by other CTAs: read through L2 (ld.global.cg).
+__device__ __forceinline__ void fused_row_block(const CollapseGemmParams& p, int row_tile) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x - kWarpgroupThreads) / 32;
+    const int slices = p.hidden / kVec;
+    const long long slab = p.rows * slices;  // one projection's y, in slices of kVec floats
+    const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+    const float inv_n = 1.0f / static_cast<float>(p.projections + 1);
+    const float4* __restrict__ projected = reinterpret_cast<const float4*>(p.out);
+    for (int i = warp; i < kBlockM; i += kConsumerWarps) {
+        const long long row = static_cast<long long>(row_tile) * kBlockM + i;
+        if (row >= p.rows) break;  // warp-uniform; later rows are past M too
+        const uint4* __restrict__ s0 = p.stream0 + row * slices;
+        float target_sq = 0.0f;
+#pragma unroll 4
+        for (int s = lane; s < slices; s += 32) {
+            float v[kVec];
+            unpack_bf16x8(__ldg(s0 + s), v);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) target_sq = fmaf(v[e], v[e], target_sq);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) target_sq += __shfl_xor_sync(0xffffffffu, target_sq, offset);
+        const float target = sqrtf(target_sq * inv_hidden);
+        float scale[kMaxProjections];
+#pragma unroll
+        for (int k = 0; k < kMaxProjections; ++k) {
+            scale[k] = 0.0f;
+            if (k < p.projections) {
+                const float* partial = p.row_sumsq + (k * p.rows + row) * p.col_tiles;
+                float sum_sq = 0.0f;
+                for (int t = 0; t < p.col_tiles; ++t) sum_sq += __ldcg(partial + t);
+                scale[k] = target / sqrtf(fmaxf(sum_sq * inv_hidden, p.eps)) * inv_n;
+            }
+        }
+        uint4* __restrict__ out = p.out_bf16 + row * slices;
+        for (int first = lane; first < slices; first += 32 * kFusedBatch) {
+            // All loads of the batch first, then the math and the stores: kFusedBatch slices of
+            // every stream in flight per lane.
+            uint4 x0[kFusedBatch];
+            float4 y[kMaxProjections][kFusedBatch][2];
+#pragma unroll
+            for (int b = 0; b < kFusedBatch; ++b) {
+                const int s = first + 32 * b;
+                if (s < slices) {
+                    x0[b] = __ldg(s0 + s);
+#pragma unroll
+                    for (int k = 0; k < kMaxProjections; ++k) {
+                        if (k < p.projections) {
+                            const float4* src = projected + 2 * (k * slab + row * slices + s);
+                            y[k][b][0] = __ldcg(src);
+                            y[k][b][1] = __ldcg(src + 1);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < kFusedBatch; ++b) {
+                const int s = first + 32 * b;
+                if (s < slices) {
+                    float result[kVec];
+                    unpack_bf16x8(x0[b], result);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) result[e] *= inv_n;
+#pragma unroll
+                    for (int k = 0; k < kMaxProjections; ++k) {
+                        if (k < p.projections) {
+                            const float yk[kVec] = {y[k][b][0].x, y[k][b][0].y, y[k][b][0].z, y[k][b][0].w,
+                                                    y[k][b][1].x, y[k][b][1].y, y[k][b][1].z, y[k][b][1].w};
+#pragma unroll
+                            for (int e = 0; e < kVec; ++e) result[e] = fmaf(yk[e], scale[k], result[e]);
+                        }
+                    }
+                    out[s] = pack_bf16x8(result);
+                }
+            }
+        }
+    }
+}
+
+// kFused, after a unit's tile is stored: count the unit in its row block; the CTA that counts
+// the last one finishes the row block (and resets its counter for the next launch).
+__device__ __forceinline__ void finish_unit(const CollapseGemmParams& p, const WorkUnit& w, unsigned int flag) {
+    __threadfence();  // this thread's y and statistics are visible GPU-wide before the count
+    consumers_sync();
+    if (threadIdx.x == kWarpgroupThreads) {
+        const unsigned int units_per_row_block = p.projections * p.col_tiles;
+        const unsigned int counted = atomicAdd(p.row_counters + w.row_tile, 1u) + 1;
+        const unsigned int last = counted == units_per_row_block;
+        if (last) p.row_counters[w.row_tile] = 0;
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(flag), "r"(last) : "memory");
+    }
+    consumers_sync();
+    unsigned int last;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(last) : "r"(flag) : "memory");
+    if (last) {
+        __threadfence();  // the other CTAs' y and statistics, counted before ours, are visible
+        fused_row_block(p, w.row_tile);
+    }
+}
+
+// Consumer `c` (0 or 1) computes rows [64c, 64c + 64) of each unit's tile.
+template <int MODE>
+__device__ __forceinline__ void consume(const CollapseGemmParams& p, unsigned int tiles, unsigned int bars, int c) {
+    const int lane = threadIdx.x % 32;
     int stage = 0;
     unsigned int phase = 0;
     float d[128];
     for (int unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
-        const WorkUnit w = decode_unit(p, unit);
+        const WorkUnit w = decode_unit<MODE>(p, unit);
         const long long first_row = static_cast<long long>(w.row_tile) * kBlockM + 64 * c;
 #pragma unroll
         for (int i = 0; i < 128; ++i) d[i] = 0.0f;
         int previous = -1;
         for (int kb = w.k_begin; kb < w.k_end; ++kb) {
             barrier_wait(bars + 8 * stage, phase);
-            {
-                const unsigned int a = tiles + stage * kStageBytes + c * (64 * kBlockK * 2);
-                const unsigned long long da = smem_descriptor(a);
-                const unsigned long long db = smem_descriptor(tiles + stage * kStageBytes + kTileABytes);
-                wgmma_fence();
+            const unsigned int a = tiles + stage * kStageBytes + c * (64 * kBlockK * 2);
+            const unsigned long long da = smem_descriptor(a);
+            const unsigned long long db = smem_descriptor(tiles + stage * kStageBytes + kTileABytes);
+            wgmma_fence();
 #pragma unroll
-                for (int k = 0; k < kBlockK / 16; ++k) wgmma_m64n256k16(d, da + 2 * k, db + 2 * k);
-                wgmma_commit();
-                wgmma_wait<1>();  // the previous k block's wgmma are done with their stage
-                fence_accumulators(d);
-            }
+            for (int k = 0; k < kBlockK / 16; ++k) wgmma_m64n256k16(d, da + 2 * k, db + 2 * k);
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous k block's wgmma are done with their stage
+            fence_accumulators(d);
             __syncwarp();
             if (previous >= 0 && lane == 0) barrier_arrive(bars + 8 * (kStages + previous));
             previous = stage;
@@ -249,53 +432,15 @@ __device__ __forceinline__ void consume(const CollapseGemmParams& p, unsigned in
         fence_accumulators(d);
         __syncwarp();
         if (previous >= 0 && lane == 0) barrier_arrive(bars + 8 * (kStages + previous));
-        if (first_row >= p.rows) continue;  // this consumer's rows are all past M
-
-        // Accumulator layout of wgmma m64nN: thread (warp, lane) holds rows 16 warp + lane / 4 and
-        // + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and d[4 j + {2, 3}].
-        const long long row = first_row + 16 * warp + lane / 4;
-        const int col0 = w.col_tile * kBlockN;
-        const int hidden = p.hidden;
-        float* out = p.out + ((static_cast<long long>(w.split) * p.projections + w.projection) * p.rows) * hidden;
-        float sumsq_lo = 0.0f, sumsq_hi = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-            // H is a multiple of 8, so an 8-column chunk is entirely inside the row or outside it.
-            if (col0 + 8 * j < hidden) {
-                const int col = col0 + 8 * j + 2 * (lane % 4);
-                if (row < p.rows)
-                    *reinterpret_cast<float2*>(out + row * hidden + col) = make_float2(d[4 * j], d[4 * j + 1]);
-                if (row + 8 < p.rows)
-                    *reinterpret_cast<float2*>(out + (row + 8) * hidden + col) = make_float2(d[4 * j + 2], d[4 * j + 3]);
-            }
-            if constexpr (ROW_STATS) {
-                // Columns past H hold exact zeros (zero-filled W rows): no guard needed.
-                sumsq_lo = fmaf(d[4 * j], d[4 * j], sumsq_lo);
-                sumsq_lo = fmaf(d[4 * j + 1], d[4 * j + 1], sumsq_lo);
-                sumsq_hi = fmaf(d[4 * j + 2], d[4 * j + 2], sumsq_hi);
-                sumsq_hi = fmaf(d[4 * j + 3], d[4 * j + 3], sumsq_hi);
-            }
-        }
-        if constexpr (ROW_STATS) {
-            // The 4 lanes of a row combine in a fixed butterfly order: deterministic.
-#pragma unroll
-            for (int offset = 1; offset < 4; offset <<= 1) {
-                sumsq_lo += __shfl_xor_sync(0xffffffffu, sumsq_lo, offset);
-                sumsq_hi += __shfl_xor_sync(0xffffffffu, sumsq_hi, offset);
-            }
-            if (lane % 4 == 0) {
-                float* stats = p.row_sumsq + static_cast<long long>(w.projection) * p.rows * p.col_tiles + w.col_tile;
-                if (row < p.rows) stats[row * p.col_tiles] = sumsq_lo;
-                if (row + 8 < p.rows) stats[(row + 8) * p.col_tiles] = sumsq_hi;
-            }
-        }
+        if (first_row < p.rows) store_tile<MODE>(p, w, first_row, d);  // else: all rows past M
+        if constexpr (MODE == kFused) finish_unit(p, w, bars + 16 * kStages);
     }
 }
 
-// y_k = x_k @ W_k^T for every projection; ROW_STATS also writes each row's sum of squares over
-// each column tile (only with one K split: the partial sums of a split are not the row's).
-template <bool ROW_STATS>
+// y_k = x_k @ W_k^T for every projection, with the epilogue MODE (kStoreY, kStoreYStats, kFused).
+template <int MODE>
 __global__ void __launch_bounds__(kThreads, 1) collapse_gemm_sm90(const __grid_constant__ CollapseGemmParams p) {
+    static_assert(MODE == kStoreY || MODE == kStoreYStats || MODE == kFused, "unknown epilogue mode");
     extern __shared__ unsigned char shared_raw[];
     const unsigned int raw = shared_address(shared_raw);
     const unsigned int tiles = (raw + kSwizzleAlign - 1) & ~static_cast<unsigned int>(kSwizzleAlign - 1);
@@ -311,10 +456,10 @@ __global__ void __launch_bounds__(kThreads, 1) collapse_gemm_sm90(const __grid_c
     const int warpgroup = threadIdx.x / kWarpgroupThreads;
     if (warpgroup == 0) {
         set_max_registers_producer();
-        if (threadIdx.x == 0) produce(p, tiles, bars);
+        if (threadIdx.x == 0) produce<MODE>(p, tiles, bars);
     } else {
         set_max_registers_consumer();
-        consume<ROW_STATS>(p, tiles, bars, warpgroup - 1);
+        consume<MODE>(p, tiles, bars, warpgroup - 1);
     }
 }
 
@@ -333,7 +478,7 @@ __global__ void collapse_split_sum(const float4* __restrict__ partials, float4* 
     }
 }
 
-// v3's epilogue: the projections' row statistics come from the GEMM (collapse_gemm_sm90<true>:
+// v3's epilogue: the projections' row statistics come from the GEMM (collapse_gemm_sm90<kStoreYStats>:
 // one sum of squares per row and column tile, added here in column-tile order), so each y_k is
 // read exactly once, streamed; only stream 0 needs a block reduction (its row is read twice, the
 // second time from L1/L2). Same per-element math and order as collapse_epilogue_v1.

@@ -9,6 +9,10 @@ v3: the same GEMM (`collapse_gemm_sm90<true>`) also writes each row's sum of squ
 tile from its fp32 accumulators (fixed order, no atomics), so `collapse_epilogue_v3` needs no
 reduction over y_k and reads it once, streamed. It applies when K is not split (M large enough
 to fill the GPU with output tiles); otherwise collapse_v3 is collapse_v2.
+v4: `collapse_gemm_sm90<2>` orders the units row block first and counts each row block's finished
+units; the CTA that finishes the last one applies the normalisation to those 128 rows while their
+y_k are still in L2 and writes the bf16 output (one launch, no epilogue pass over HBM). Same
+K-split rule as v3.
 
 The kernels are launched through the CUDA driver (cuda-bindings) because their parameter is one
 struct holding the TMA tensor maps (`CollapseGemmParams`), passed by value. Launchers take torch
@@ -30,12 +34,14 @@ from ..collapse import SOURCE as EPILOGUE_V1_SOURCE
 from ..collapse import SUPPORTED_STREAMS, epilogue_launch_shape
 
 ARCH = "sm_90a"
-GEMM_V2 = "collapse_gemm_sm90<false>"
-GEMM_V3 = "collapse_gemm_sm90<true>"
+# collapse_gemm_sm90<MODE>: kStoreY = 0 (v2), kStoreYStats = 1 (v3), kFused = 2 (v4).
+GEMM_V2 = "collapse_gemm_sm90<0>"
+GEMM_V3 = "collapse_gemm_sm90<1>"
+GEMM_V4 = "collapse_gemm_sm90<2>"
 SPLIT_SUM = "collapse_split_sum"
 SOURCE = KernelSource(
     "kernels/collapse_v2.cu",
-    (GEMM_V2, GEMM_V3, SPLIT_SUM, *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)),
+    (GEMM_V2, GEMM_V3, GEMM_V4, SPLIT_SUM, *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)),
     min_arch=ARCH,
 )
 
@@ -45,16 +51,17 @@ BLOCK_N = 256
 BLOCK_K = 64
 STAGES = 4
 THREADS = 384
-SHARED_BYTES = 1024 + STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * STAGES * 8
+SHARED_BYTES = 1024 + STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * STAGES * 8 + 16
 MAX_PROJECTIONS = 3
 TENSOR_MAP_BYTES = 128
 # Byte offsets of CollapseGemmParams' fields (the kernel's static_asserts pin the same numbers).
 PARAM_OFFSETS = {
     "x_maps": 0, "w_maps": 384, "out": 768, "row_sumsq": 776, "rows": 784, "hidden": 792,
     "projections": 796, "row_tiles": 800, "col_tiles": 804, "k_blocks": 808, "splits": 812,
-    "k_blocks_per_split": 816, "units": 820,
+    "k_blocks_per_split": 816, "units": 820, "stream0": 824, "out_bf16": 832, "row_counters": 840,
+    "eps": 848,
 }
-PARAMS_BYTES = 832
+PARAMS_BYTES = 896
 # A K split streams at least this many 64-wide K blocks, so the per-unit pipeline fill and the
 # partial's write stay small next to its loads.
 MIN_K_BLOCKS_PER_SPLIT = 4
@@ -151,9 +158,20 @@ def encode_tensor_map(address: int, spec: TensorMapSpec) -> bytes:
     return ctypes.string_at(tensor_map.getPtr(), TENSOR_MAP_BYTES)
 
 
+@dataclass(frozen=True)
+class FusedEpilogue:
+    """What v4's in-GEMM epilogue needs: device addresses and epsilon."""
+
+    stream0_ptr: int  # hidden_states[0], bf16 [M, H]
+    out_ptr: int  # bf16 [M, H]
+    row_counters_ptr: int  # uint32 [row tiles], zeros
+    eps: float
+
+
 def pack_params(x_maps: Sequence[bytes], w_maps: Sequence[bytes], out_ptr: int, row_sumsq_ptr: int,
-                plan: GemmPlan) -> bytes:
-    """CollapseGemmParams as the kernel lays it out (unused map slots are zeros: never read)."""
+                plan: GemmPlan, fused: FusedEpilogue | None = None) -> bytes:
+    """CollapseGemmParams as the kernel lays it out (unused map slots and, without `fused`, the
+    fused epilogue's fields are zeros: never read)."""
     if len(x_maps) != plan.projections or len(w_maps) != plan.projections:
         raise ValueError(f"need {plan.projections} x and w tensor maps, got {len(x_maps)} and {len(w_maps)}")
     buffer = bytearray(PARAMS_BYTES)
@@ -166,9 +184,12 @@ def pack_params(x_maps: Sequence[bytes], w_maps: Sequence[bytes], out_ptr: int, 
         buffer[w_at:w_at + TENSOR_MAP_BYTES] = w_map
     struct.pack_into("<QQq", buffer, PARAM_OFFSETS["out"], out_ptr, row_sumsq_ptr, plan.rows)
     struct.pack_into(
-        "<9i", buffer, PARAM_OFFSETS["hidden"], plan.hidden, plan.projections, plan.row_tiles,
-        plan.col_tiles, plan.k_blocks, plan.splits, plan.k_blocks_per_split, plan.units, 0,
+        "<8i", buffer, PARAM_OFFSETS["hidden"], plan.hidden, plan.projections, plan.row_tiles,
+        plan.col_tiles, plan.k_blocks, plan.splits, plan.k_blocks_per_split, plan.units,
     )
+    if fused is not None:
+        struct.pack_into("<QQQf", buffer, PARAM_OFFSETS["stream0"], fused.stream0_ptr, fused.out_ptr,
+                         fused.row_counters_ptr, fused.eps)
     return bytes(buffer)
 
 
@@ -331,11 +352,30 @@ def _split_workspace(device: int, stream: int, elements: int):
     return workspace
 
 
-def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, stream: int) -> GemmPlan | None:
-    """v2 (out_row_sumsq None: K split when M is small) or v3 (row statistics, K never split)."""
+_row_counters: dict = {}
+
+
+def _row_counter_buffer(device: int, stream: int, row_tiles: int):
+    """v4's per-row-block unit counters, one zeroed buffer per (device, stream), grown on demand.
+    The kernel leaves every counter at zero when it finishes."""
+    import torch
+
+    key = (device, stream)
+    counters = _row_counters.get(key)
+    if counters is None or counters.numel() < row_tiles:
+        counters = _row_counters[key] = torch.zeros(row_tiles, dtype=torch.int32, device=f"cuda:{device}")
+    return counters
+
+
+def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, stream: int,
+              fused: FusedEpilogue | None = None) -> GemmPlan | None:
+    """v2 (out_row_sumsq None: K split when M is small), v3 (row statistics, K never split) or,
+    with `fused`, v4 (v3 plus the collapse of each finished row block)."""
     hs, w_ptrs, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
     y = _arrays.accept("out_y", out_y, F32, (streams - 1, *hs.shape[1:]), vector_rows=True)
     stats = out_row_sumsq is not None
+    if fused is not None and not stats:
+        raise ValueError("the fused epilogue (v4) needs out_row_sumsq")
     if rows == 0:
         return None
     prepared = _prepare(hs.ptr, w_ptrs, streams, rows, hidden, device, split_k=not stats)
@@ -345,11 +385,11 @@ def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, 
         row_sumsq = _arrays.accept("out_row_sumsq", out_row_sumsq, F32, (streams - 1, rows, plan.col_tiles))
         checked.append(row_sumsq)
     _arrays.same_device(checked)
-    expression = GEMM_V3 if stats else GEMM_V2
+    expression = GEMM_V4 if fused is not None else GEMM_V3 if stats else GEMM_V2
     gemm = _function(SOURCE, expression, device, SHARED_BYTES)
     slab = (streams - 1) * rows * hidden
     target = y.ptr if plan.splits == 1 else _split_workspace(device, stream, plan.splits * slab).data_ptr()
-    packed = pack_params(prepared.x_maps, prepared.w_maps, target, row_sumsq.ptr if stats else 0, plan)
+    packed = pack_params(prepared.x_maps, prepared.w_maps, target, row_sumsq.ptr if stats else 0, plan, fused)
     params = ctypes.create_string_buffer(packed, PARAMS_BYTES)
     _launch(gemm, device, plan.grid, THREADS, SHARED_BYTES, stream, [params], expression)
     if plan.splits > 1:
@@ -378,12 +418,12 @@ def launch_v3(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, 
 
 
 def uses_row_statistics(rows: int, hidden: int, streams: int, device: int) -> bool:
-    """Whether collapse_v3 takes v3's path: only when v2 would not split K (for small M, splitting
-    K to fill the GPU is worth more than the statistics)."""
+    """Whether collapse_v3/v4 take their own path: only when v2 would not split K (for small M,
+    splitting K to fill the GPU is worth more than the statistics); otherwise they are v2."""
     return plan_gemm(rows, hidden, streams - 1, _device_sms(device)).splits == 1
 
 
-def _collapse(hidden_states: Any, weights: Any, eps: float, row_statistics: bool) -> Any:
+def _collapse(hidden_states: Any, weights: Any, eps: float, version: int) -> Any:
     import torch
 
     hs, _, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
@@ -394,26 +434,28 @@ def _collapse(hidden_states: Any, weights: Any, eps: float, row_statistics: bool
     stream = torch.cuda.current_stream(device).cuda_stream
     y = torch.empty((streams - 1, rows, hidden), dtype=torch.float32, device=hidden_states.device)
     x = hidden_states.view(streams, rows, hidden)
-    common = [ctypes.c_uint64(hs.ptr), ctypes.c_uint64(y.data_ptr())]
-    if row_statistics and uses_row_statistics(rows, hidden, streams, device):
-        row_sumsq = torch.empty((streams - 1, rows, _ceil_div(hidden, BLOCK_N)), dtype=torch.float32,
-                                device=hidden_states.device)
-        plan = launch_v3(x, weights, y, row_sumsq, stream)
-        epilogue = _function(SOURCE, f"collapse_epilogue_v3<{streams}>", device)
-        threads = min(EPILOGUE_V3_MAX_THREADS, max(32, _ceil_div(hidden // 8, 32) * 32))
-        args = common + [ctypes.c_uint64(row_sumsq.data_ptr()), ctypes.c_uint64(out.data_ptr()),
-                         ctypes.c_int32(hidden), ctypes.c_int64(rows), ctypes.c_int32(plan.col_tiles),
-                         ctypes.c_float(eps)]
-        name = "collapse_epilogue_v3"
-    else:
+    if version == 2 or not uses_row_statistics(rows, hidden, streams, device):
         launch_v2(x, weights, y, stream)
         chunks, threads = epilogue_launch_shape(streams, hidden)
         epilogue = _function(EPILOGUE_V1_SOURCE, f"collapse_epilogue_v1<{streams}, {chunks}>", device)
-        args = common + [ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(hidden), ctypes.c_int64(rows),
-                         ctypes.c_float(eps)]
-        name = "collapse_epilogue_v1"
-    # One block per row: the grid's x extent allows 2^31 - 1 rows.
-    _launch(epilogue, device, rows, threads, 0, stream, args, name)
+        args = [ctypes.c_uint64(hs.ptr), ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(out.data_ptr()),
+                ctypes.c_int32(hidden), ctypes.c_int64(rows), ctypes.c_float(eps)]
+        # One block per row: the grid's x extent allows 2^31 - 1 rows.
+        _launch(epilogue, device, rows, threads, 0, stream, args, "collapse_epilogue_v1")
+        return out
+    col_tiles = _ceil_div(hidden, BLOCK_N)
+    row_sumsq = torch.empty((streams - 1, rows, col_tiles), dtype=torch.float32, device=hidden_states.device)
+    if version == 4:
+        counters = _row_counter_buffer(device, stream, _ceil_div(rows, BLOCK_M))
+        _run_gemm(x, weights, y, row_sumsq, stream, FusedEpilogue(hs.ptr, out.data_ptr(), counters.data_ptr(), eps))
+        return out
+    launch_v3(x, weights, y, row_sumsq, stream)
+    epilogue = _function(SOURCE, f"collapse_epilogue_v3<{streams}>", device)
+    threads = min(EPILOGUE_V3_MAX_THREADS, max(32, _ceil_div(hidden // 8, 32) * 32))
+    args = [ctypes.c_uint64(hs.ptr), ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(row_sumsq.data_ptr()),
+            ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(hidden), ctypes.c_int64(rows),
+            ctypes.c_int32(col_tiles), ctypes.c_float(eps)]
+    _launch(epilogue, device, rows, threads, 0, stream, args, "collapse_epilogue_v3")
     return out
 
 
@@ -423,10 +465,16 @@ def collapse_v2(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
     hidden_states bf16 [N, B, S, H]; weights N-1 bf16 [H, H] (list or stacked). Runs on torch's
     current stream of the tensors' device.
     """
-    return _collapse(hidden_states, weights, eps, row_statistics=False)
+    return _collapse(hidden_states, weights, eps, version=2)
 
 
 def collapse_v3(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
     """As collapse_v2, with the projections' row statistics taken from the GEMM's accumulators
     (collapse_epilogue_v3 reads each y_k once, streamed) whenever K is not split."""
-    return _collapse(hidden_states, weights, eps, row_statistics=True)
+    return _collapse(hidden_states, weights, eps, version=3)
+
+
+def collapse_v4(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
+    """As collapse_v3, with the normalisation done inside the GEMM by the CTA that finishes each
+    row block (y_k read back from L2; one launch) whenever K is not split."""
+    return _collapse(hidden_states, weights, eps, version=4)
