@@ -33,14 +33,16 @@ def _constexpr(name: str) -> int:
 
 # ---- mirrors of the kernel ---------------------------------------------------------------------
 
-def decode_unit(plan: ch.GemmPlan, unit: int) -> tuple[int, int, int, int, int, int]:
-    """decode_unit of collapse_v2.cu: (projection, row tile, col tile, split, k_begin, k_end)."""
+def decode_unit(plan: ch.GemmPlan, unit: int, fused: bool = False) -> tuple[int, int, int, int, int, int]:
+    """decode_unit<MODE> of collapse_v2.cu: (projection, row tile, col tile, split, k_begin, k_end)."""
     split = unit % plan.splits
     rest = unit // plan.splits
     col = rest % plan.col_tiles
     rest //= plan.col_tiles
-    row = rest % plan.row_tiles
-    projection = rest // plan.row_tiles
+    if fused:
+        projection, row = rest % plan.projections, rest // plan.projections
+    else:
+        row, projection = rest % plan.row_tiles, rest // plan.row_tiles
     k_begin = split * plan.k_blocks_per_split
     return projection, row, col, split, k_begin, min(plan.k_blocks, k_begin + plan.k_blocks_per_split)
 
@@ -68,6 +70,9 @@ def test_host_constants_mirror_the_kernel():
     assert ch.BLOCK_M == 64 * _constexpr("kConsumers")  # one m64 wgmma row block per consumer
     assert ch.BLOCK_K * 2 == 128  # a stage row is exactly one 128-byte swizzle row
     assert ch.SHARED_BYTES <= 227 * 1024
+    flag = re.search(r"kBarrierBytes = 2 \* kStages \* 8 \+ (\d+);", KERNEL_TEXT)
+    assert flag and ch.SHARED_BYTES == (_constexpr("kSwizzleAlign") + ch.STAGES * (ch.BLOCK_M + ch.BLOCK_N)
+                                        * ch.BLOCK_K * 2 + 2 * ch.STAGES * 8 + int(flag.group(1)))
 
 
 def test_parameter_block_layout_matches_the_kernel():
@@ -151,6 +156,22 @@ def test_small_m_plans_fill_the_gpu(w):
         assert plan.grid >= 0.7 * 132, plan
     else:
         assert plan.splits == 1 or plan.units <= 132, plan
+
+
+@pytest.mark.parametrize("rows,hidden,projections", [(613, 3072, 2), (7184, 1000, 3), (8192, 2056, 1)])
+def test_fused_order_finishes_row_blocks_in_sequence(rows, hidden, projections):
+    """kFused: every (projection, column tile) of a row block exactly once, the row block's units
+    consecutive (so they run in the same wave), and the count the kernel waits for matches."""
+    plan = ch.plan_gemm(rows, hidden, projections, 132, split_k=False)
+    per_block = projections * plan.col_tiles
+    for row_tile in range(plan.row_tiles):
+        units = range(row_tile * per_block, (row_tile + 1) * per_block)
+        decoded = [decode_unit(plan, u, fused=True) for u in units]
+        assert {d[1] for d in decoded} == {row_tile}
+        assert sorted((d[0], d[2]) for d in decoded) == [
+            (p, c) for p in range(projections) for c in range(plan.col_tiles)]
+        assert all(d[4:] == (0, plan.k_blocks) for d in decoded)
+    assert plan.units == plan.row_tiles * per_block
 
 
 def test_plan_without_k_splits():
