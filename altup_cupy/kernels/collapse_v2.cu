@@ -1,5 +1,7 @@
 // collapse_v2.cu: the collapse's projections y_k = x_k @ W_k^T on Hopper (sm_90a), all N-1
-// streams in one persistent launch (docs: ops/collapse_hopper.py).
+// streams in one persistent launch, and what collapse v2-v4 run around it (host side:
+// ops/collapse_hopper.py): the K splits' fixed-order sum, v3's streaming epilogue, v4's in-GEMM
+// normalisation.
 //
 // Tile 128 x 256 x 64 (rows x columns x K per stage), bf16 in, fp32 accumulate in registers.
 // Warp roles: warpgroup 0 is the producer (one thread issues the TMA tile loads, the rest leave
