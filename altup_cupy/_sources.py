@@ -79,6 +79,16 @@ COLLAPSE_V1 = KernelSource(
     defines=_COLLAPSE,
 )
 
+# Hopper only (sm_90a): TMA, wgmma, setmaxnreg. The GEMM in three modes (store y_k; also row
+# statistics; also the fused normalisation), the K-split sum and v3's epilogue.
+COLLAPSE_V2 = KernelSource(
+    "collapse_v2.cu",
+    ("collapse_gemm_sm90<0>", "collapse_gemm_sm90<1>", "collapse_gemm_sm90<2>", "collapse_split_sum",
+     *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)),
+    min_arch=90,
+    needs_sm90a=True,
+)
+
 PREDICT_CORRECT_BACKWARD_REDUCE = KernelSource(
     "predict_correct_backward_reduce.cu",
     tuple(f"predict_correct_backward_reduce<{n}>" for n in SUPPORTED_STREAMS),
@@ -123,6 +133,7 @@ PREDICT_CORRECT_BACKWARD_V4 = KernelSource(
 
 ALL_SOURCES = (
     COLLAPSE_V1,
+    COLLAPSE_V2,
     PREDICT_CORRECT_BACKWARD_REDUCE,
     PREDICT_CORRECT_BACKWARD_V1,
     PREDICT_CORRECT_BACKWARD_V2,
