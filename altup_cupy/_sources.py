@@ -79,6 +79,13 @@ COLLAPSE_V1 = KernelSource(
     defines=_COLLAPSE,
 )
 
+# collapse v2-v4 (Hopper GEMM): a CTA computes a BLOCK_M x BLOCK_N tile of y_k, BLOCK_K of the
+# reduction per ring stage (64 bf16 = one 128-byte swizzle row), STAGES stages deep; CONSUMERS
+# warpgroups of 64 rows each plus one producer warpgroup; up to MAX_PROJECTIONS = N-1 streams.
+COLLAPSE_V2_TILE = {"COLLAPSE_V2_BLOCK_M": 128, "COLLAPSE_V2_BLOCK_N": 256, "COLLAPSE_V2_BLOCK_K": 64,
+                    "COLLAPSE_V2_STAGES": 4, "COLLAPSE_V2_CONSUMERS": 2, "COLLAPSE_V2_SWIZZLE_ALIGN": 1024,
+                    "COLLAPSE_V2_MAX_PROJECTIONS": 3, "COLLAPSE_V3_EPILOGUE_MAX_THREADS": 512}
+
 # Hopper only (sm_90a): TMA, wgmma, setmaxnreg. The GEMM in three modes (store y_k; also row
 # statistics; also the fused normalisation), the K-split sum and v3's epilogue.
 COLLAPSE_V2 = KernelSource(
@@ -86,6 +93,7 @@ COLLAPSE_V2 = KernelSource(
     ("collapse_gemm_sm90<0>", "collapse_gemm_sm90<1>", "collapse_gemm_sm90<2>", "collapse_split_sum",
      *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)),
     min_arch=90,
+    defines=COLLAPSE_V2_TILE,
     needs_sm90a=True,
 )
 

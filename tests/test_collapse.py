@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from altup_cupy import _sources, collapse
+from altup_cupy import _cublas, _sources, collapse
 from altup_cupy._launch import PackedLaunch
 from altup_cupy.check import oracle_bound
 from altup_cupy.ops import collapse_versions
@@ -255,17 +255,14 @@ def test_runs_on_the_callers_torch_stream(seeds):
 
 
 def _count_gemms(monkeypatch):
-    """Record the rows of every projection GEMM (torch.bmm for stacked weights, torch.mm per
-    listed weight)."""
     calls = []
-    for name in ("bmm", "mm"):
-        real = getattr(torch, name)
+    real = _cublas.gemm_bf16_f32
 
-        def counting(a, b, *args, _real=real, **kwargs):
-            calls.append(a.shape[-2])
-            return _real(a, b, *args, **kwargs)
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("rows"))
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(torch, name, counting)
+    monkeypatch.setattr(_cublas, "gemm_bf16_f32", counting)
     return calls
 
 
@@ -304,8 +301,7 @@ def test_empty_batch_returns_without_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a GPU launch for M = 0")
 
-    monkeypatch.setattr(torch, "bmm", fail)
-    monkeypatch.setattr(torch, "mm", fail)
+    monkeypatch.setattr(_cublas, "gemm_bf16_f32", fail)
     monkeypatch.setattr(_sources.COLLAPSE_V1, "kernel", fail)
     ws = torch.zeros((2, 3072, 3072), dtype=BF16, device="cuda")
     for shape in [(3, 0, 5, 3072), (3, 4, 0, 3072)]:

@@ -32,21 +32,21 @@ constexpr int kStoreY = 0;
 constexpr int kStoreYStats = 1;
 constexpr int kFused = 2;
 
-constexpr int kBlockM = 128;
-constexpr int kBlockN = 256;
-constexpr int kBlockK = 64;  // 64 bf16 = 128 bytes: one row of the 128-byte swizzle
-constexpr int kStages = 4;
-constexpr int kConsumers = 2;
-constexpr int kWarpgroupThreads = 128;
+constexpr int kBlockM = ALTUP_COLLAPSE_V2_BLOCK_M;
+constexpr int kBlockN = ALTUP_COLLAPSE_V2_BLOCK_N;
+constexpr int kBlockK = ALTUP_COLLAPSE_V2_BLOCK_K;  // 64 bf16 = 128 bytes: one row of the 128-byte swizzle
+constexpr int kStages = ALTUP_COLLAPSE_V2_STAGES;
+constexpr int kConsumers = ALTUP_COLLAPSE_V2_CONSUMERS;
+constexpr int kWarpgroupThreads = 4 * 32;  // a warpgroup is 4 warps (hardware, not a tuning choice)
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
 constexpr int kTileABytes = kBlockM * kBlockK * 2;
 constexpr int kTileBBytes = kBlockN * kBlockK * 2;
 constexpr int kStageBytes = kTileABytes + kTileBBytes;
-constexpr int kSwizzleAlign = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 bytes
+constexpr int kSwizzleAlign = ALTUP_COLLAPSE_V2_SWIZZLE_ALIGN;  // the 128-byte swizzle repeats every 8 rows of 128 bytes
 constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full + empty barriers, kFused's flag
 constexpr int kSharedBytes = kSwizzleAlign + kStages * kStageBytes + kBarrierBytes;
 static_assert(kSharedBytes <= 227 * 1024, "more dynamic shared memory than an sm_90 block may have");
-constexpr int kMaxProjections = 3;  // N <= 4
+constexpr int kMaxProjections = ALTUP_COLLAPSE_V2_MAX_PROJECTIONS;  // N <= 4
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
@@ -79,17 +79,8 @@ struct CollapseGemmParams {
     unsigned int* row_counters;         // kFused: [row_tiles], zero between launches
     float eps;                          // kFused
 };
-static_assert(__builtin_offsetof(CollapseGemmParams, w_maps) == 384, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, out) == 768, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, row_sumsq) == 776, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, rows) == 784, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, hidden) == 792, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, projections) == 796, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, units) == 820, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, stream0) == 824, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, out_bf16) == 832, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, row_counters) == 840, "host layout");
-static_assert(__builtin_offsetof(CollapseGemmParams, eps) == 848, "host layout");
+// The host packs this struct byte for byte (collapse_hopper.PARAM_OFFSETS: natural C layout,
+// checked against the declaration by tests/test_collapse_hopper.py).
 static_assert(sizeof(CollapseGemmParams) == 896, "host layout");
 
 __device__ __forceinline__ unsigned int shared_address(const void* p) {
@@ -484,7 +475,7 @@ __global__ void collapse_split_sum(const float4* __restrict__ partials, float4* 
 // one sum of squares per row and column tile, added here in column-tile order), so each y_k is
 // read exactly once, streamed; only stream 0 needs a block reduction (its row is read twice, the
 // second time from L1/L2). Same per-element math and order as collapse_epilogue_v1.
-constexpr int kEpilogueV3MaxThreads = 512;
+constexpr int kEpilogueV3MaxThreads = ALTUP_COLLAPSE_V3_EPILOGUE_MAX_THREADS;
 
 template <int N>
 __global__ void __launch_bounds__(kEpilogueV3MaxThreads) collapse_epilogue_v3(

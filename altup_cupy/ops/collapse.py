@@ -9,6 +9,7 @@ Python layers (the result is the same kernels' on the same stream).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -22,8 +23,11 @@ from .collapse_versions import PREFERENCE, VERSIONS
 BF16 = torch.bfloat16
 
 
-def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor], eps: Any):
-    """Named errors for anything the kernels cannot take; returns (N, B, S, H, device, eps)."""
+def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor], eps: Any,
+             launching: bool = False):
+    """Named errors for anything the kernels cannot take; returns (N, B, S, H, device, eps).
+    launching: the tensors are about to be read by the kernels (real CUDA memory), so their
+    addresses are checked too."""
     _arrays.check_tensor("hidden_states", hidden_states, BF16, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = hidden_states.shape
     if streams not in SUPPORTED_STREAMS:
@@ -44,23 +48,28 @@ def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
             named.append((f"unembed_projs[{i}]", w))
     eps = _arrays.positive_finite("eps", eps)
     device = _arrays.check_devices(named)
-    if device.type == "cuda":
+    if launching:
         _arrays.check_aligned(named[:1])
     return streams, batch, seq, hidden, device, eps
 
 
 def _run_cuda(hidden_states, unembed_projs, eps, version):
-    streams, batch, seq, hidden, device, eps = validate(hidden_states, unembed_projs, eps)
+    streams, batch, seq, hidden, device, eps = validate(hidden_states, unembed_projs, eps, launching=True)
     out = torch.empty((batch, seq, hidden), dtype=BF16, device=device)
     rows = batch * seq
     if rows == 0:
         return out
     index = device.index
-    capability, name = _device.facts(index)
-    chosen = _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
-    plan = chosen.plan(streams, rows, hidden, index)
-    plan(hidden_states, list(unembed_projs), out, eps, torch.cuda.current_stream(device).cuda_stream)
+    plan = _version(version, streams, hidden, index).plan(streams, rows, hidden, index)
+    plan(hidden_states, unembed_projs, out, eps, torch._C._cuda_getCurrentRawStream(index))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _version(version, streams: int, hidden: int, index: int):
+    """The version that serves this call, picked once per shape (it caches its own plans)."""
+    capability, name = _device.facts(index)
+    return _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
 
 
 @torch.library.custom_op("altup_cupy::collapse", mutates_args=(), device_types="cuda")

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import _arrays
+from .. import _arrays, _sources
 from .._build import KernelSource, compile_offline
 from .._sources import COLLAPSE_V1 as EPILOGUE_V1_SOURCE
 from .._sources import COLLAPSE_V2 as SOURCE
@@ -45,14 +45,13 @@ GEMM_V3 = "collapse_gemm_sm90<1>"
 GEMM_V4 = "collapse_gemm_sm90<2>"
 SPLIT_SUM = "collapse_split_sum"
 
-# Mirrors of the constants of kernels/collapse_v2.cu (tests/test_collapse_hopper.py checks them).
-BLOCK_M = 128
-BLOCK_N = 256
-BLOCK_K = 64
-STAGES = 4
-THREADS = 384
-SHARED_BYTES = 1024 + STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * STAGES * 8 + 16
-MAX_PROJECTIONS = 3
+_TILE = _sources.COLLAPSE_V2_TILE
+BLOCK_M, BLOCK_N, BLOCK_K = _TILE["COLLAPSE_V2_BLOCK_M"], _TILE["COLLAPSE_V2_BLOCK_N"], _TILE["COLLAPSE_V2_BLOCK_K"]
+STAGES = _TILE["COLLAPSE_V2_STAGES"]
+THREADS = 128 * (1 + _TILE["COLLAPSE_V2_CONSUMERS"])  # a producer warpgroup and the consumers
+# The ring (aligned for the swizzle), its full and empty barriers, and v4's flag (kSharedBytes).
+SHARED_BYTES = _TILE["COLLAPSE_V2_SWIZZLE_ALIGN"] + STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * STAGES * 8 + 16
+MAX_PROJECTIONS = _TILE["COLLAPSE_V2_MAX_PROJECTIONS"]
 TENSOR_MAP_BYTES = 128
 # Byte offsets of CollapseGemmParams' fields (the kernel's static_asserts pin the same numbers).
 PARAM_OFFSETS = {
@@ -66,7 +65,7 @@ PARAMS_BYTES = 896
 # partial's write stay small next to its loads.
 MIN_K_BLOCKS_PER_SPLIT = 4
 SPLIT_SUM_THREADS = 256
-EPILOGUE_V3_MAX_THREADS = 512
+EPILOGUE_V3_MAX_THREADS = _TILE["COLLAPSE_V3_EPILOGUE_MAX_THREADS"]
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -1,8 +1,8 @@
 """The collapse's kernel versions and their launch plans (docs/SPEC.md section 1).
 
-v1: the projections y_k = x_k @ W_k^T by cuBLAS through torch (bf16 in, fp32 out:
-`torch.mm(..., out_dtype=torch.float32)`, which PyTorch runs on its own cuBLAS handle with a
-workspace per stream, so it is captured in CUDA graphs) into an fp32 workspace, then one RawKernel
+v1: the projections y_k = x_k @ W_k^T by cuBLAS (bf16 in, fp32 out; one strided batched call
+when the weights are stacked, one per weight otherwise) on torch's handle and workspace for the
+current stream, so CUDA graphs capture them (`_cublas`), into an fp32 workspace; then one RawKernel
 (`collapse_epilogue_v1`) reads stream 0 and the projections once and writes the bf16 result. Rows
 are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections.
 """
@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .. import _sources
+from .. import _cublas, _sources
 from .._launch import PackedLaunch
 from ._registry import Version
 
@@ -59,21 +59,25 @@ class V1Plan:
     def __call__(self, hidden_states: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
                  eps: float, stream: int) -> None:
         streams, rows, hidden, block_rows = self.streams, self.rows, self.hidden, self.block_rows
-        stacked = len(weights) == 1
-        projections = hidden_states.view(streams, rows, hidden)[1:]
         workspace = torch.empty((streams - 1) * block_rows * hidden, dtype=torch.float32,
                                 device=hidden_states.device)
+        hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()
+        w_ptrs = [w.data_ptr() for w in weights]
+        stream_elements = rows * hidden
         for first in range(0, rows, block_rows):
             count = min(block_rows, rows - first)
-            x = projections[:, first:first + count]
-            y = workspace[: (streams - 1) * count * hidden].view(streams - 1, count, hidden)
-            if stacked:
-                torch.bmm(x, weights[0].transpose(1, 2), out_dtype=torch.float32, out=y)
+            x = hs + 2 * (stream_elements + first * hidden)  # stream 1, row `first`
+            gemm = dict(rows=count, n=hidden, k=hidden, x_batch_stride=stream_elements,
+                        y_batch_stride=count * hidden)
+            if len(w_ptrs) == 1:  # stacked [N-1, H, H]
+                _cublas.gemm_bf16_f32(x, w_ptrs[0], ws, batch=streams - 1,
+                                      w_batch_stride=hidden * hidden, **gemm)
             else:
-                for k, w in enumerate(weights):
-                    torch.mm(x[k], w.t(), out_dtype=torch.float32, out=y[k])
-            self.epilogue(stream, count, hidden_states.data_ptr() + 2 * first * hidden, y.data_ptr(),
-                          out.data_ptr() + 2 * first * hidden, hidden, count, eps)
+                for k, w in enumerate(w_ptrs):
+                    _cublas.gemm_bf16_f32(x + 2 * k * stream_elements, w, ws + 4 * k * count * hidden,
+                                          batch=1, w_batch_stride=0, **gemm)
+            self.epilogue(stream, count, hs + 2 * first * hidden, ws, out_ptr + 2 * first * hidden,
+                          hidden, count, eps)
 
 
 @functools.lru_cache(maxsize=256)

@@ -8,6 +8,7 @@ path: validated inputs go straight to the cached launch plan of their shape.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -33,8 +34,10 @@ class PredictCorrectGrads(NamedTuple):
     grad_norm_weight: Any  # fp32 [H]
 
 
-def validate(g, hs, act, P, Q, R, w, active_idx, eps):
-    """Named errors for anything the kernels cannot take; returns (N, B, S, H, a, eps, device)."""
+def validate(g, hs, act, P, Q, R, w, active_idx, eps, launching: bool = False):
+    """Named errors for anything the kernels cannot take; returns (N, B, S, H, a, eps, device).
+    launching: the tensors are about to be read by the kernels (real CUDA memory), so their
+    addresses are checked too."""
     _arrays.check_tensor("grad_corrected", g, BF16, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = g.shape
     if streams not in SUPPORTED_STREAMS:
@@ -53,7 +56,7 @@ def validate(g, hs, act, P, Q, R, w, active_idx, eps):
     a = _arrays.index_in_range("active_idx", active_idx, streams)
     eps = _arrays.positive_finite("eps", eps)
     device = _arrays.check_devices(named)
-    if device.type == "cuda":
+    if launching:
         _arrays.check_aligned([named[i] for i in (0, 1, 2, 5, 6)])  # the rows read 16 bytes at a time
     return streams, batch, seq, hidden, a, eps, device
 
@@ -67,7 +70,7 @@ def _empty_grads(streams, batch, seq, hidden, device):
 
 
 def _run_cuda(inputs, active_idx, eps, version):
-    streams, batch, seq, hidden, a, eps, device = validate(*inputs, active_idx, eps)
+    streams, batch, seq, hidden, a, eps, device = validate(*inputs, active_idx, eps, launching=True)
     outs = _empty_grads(streams, batch, seq, hidden, device)
     tokens = batch * seq
     if tokens == 0:
@@ -75,11 +78,17 @@ def _run_cuda(inputs, active_idx, eps, version):
             weight_grad.zero_()
         return outs
     index = device.index
-    capability, name = _device.facts(index)
-    chosen = _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
-    plan = chosen.plan(streams, a, tokens, hidden, index)
-    plan(inputs, outs, eps, torch.cuda.current_stream(device).cuda_stream)
+    plan = _version(version, streams, hidden, index).plan(streams, a, tokens, hidden, index)
+    plan(inputs, outs, eps, torch._C._cuda_getCurrentRawStream(index))
     return outs
+
+
+@functools.lru_cache(maxsize=256)
+def _version(version, streams: int, hidden: int, index: int):
+    """The version that serves this call, picked once per shape (its plans are cached by the
+    version itself: v4's depend on a tuning override too)."""
+    capability, name = _device.facts(index)
+    return _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
 
 
 @torch.library.custom_op("altup_cupy::predict_correct_backward", mutates_args=(), device_types="cuda")
