@@ -120,6 +120,8 @@ def index_in_range(name: str, value: Any, upper: int) -> int:
 
 def check_framework(named: Sequence[tuple[str, Any]]) -> bool:
     """Whether the caller passed CuPy arrays; mixing CuPy and torch is refused."""
+    if all(isinstance(x, torch.Tensor) for _, x in named):
+        return False
     first_name, first = named[0]
     cupy_in = is_cupy(first)
     for name, x in named[1:]:

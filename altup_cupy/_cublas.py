@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -28,8 +29,6 @@ CUBLAS_GEMM_DEFAULT = -1
 # live as long as the module.
 _ALPHA = ctypes.c_float(1.0)
 _BETA = ctypes.c_float(0.0)
-_ALPHA_PTR = ctypes.addressof(_ALPHA)
-_BETA_PTR = ctypes.addressof(_BETA)
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,22 +45,38 @@ def _gemm_function():
             raise RuntimeError("cannot find the cuBLAS library torch uses") from None
         library = ctypes.CDLL(sorted(paths)[0])
     function = library.cublasGemmStridedBatchedEx
-    i32, i64, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-    function.argtypes = [ptr, i32, i32, i32, i32, i32, ptr,
-                         ptr, i32, i32, i64, ptr, i32, i32, i64, ptr,
-                         ptr, i32, i32, i64, i32, i32, i32]
-    function.restype = i32
+    function.restype = ctypes.c_int
     return function
 
 
-def gemm_bf16_f32(x_ptr: int, w_ptr: int, y_ptr: int, *, rows: int, n: int, k: int, batch: int,
-                  x_batch_stride: int, w_batch_stride: int, y_batch_stride: int) -> None:
-    """Y[b] = X[b] @ W[b]^T on torch's current stream and device; strides in elements."""
-    status = _gemm_function()(
-        torch.cuda.current_blas_handle(), CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, _ALPHA_PTR,
-        w_ptr, CUDA_R_16BF, k, w_batch_stride,
-        x_ptr, CUDA_R_16BF, k, x_batch_stride, _BETA_PTR,
-        y_ptr, CUDA_R_32F, n, y_batch_stride,
-        batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-    if status != 0:
-        raise RuntimeError(f"cublasGemmStridedBatchedEx failed with status {status}")
+class StridedBatchedGemm:
+    """One GEMM shape with its arguments held as ctypes values: a call stores the handle and the
+    three addresses and passes the rest as they are (no per-call argument conversion)."""
+
+    def __init__(self, *, rows: int, n: int, k: int, batch: int, x_batch_stride: int,
+                 w_batch_stride: int, y_batch_stride: int):
+        i32, i64, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+        self.rows = rows
+        self._function = _gemm_function()
+        self._handle, self._w, self._x, self._y = ptr(), ptr(), ptr(), ptr()
+        self._args = (
+            self._handle, i32(CUBLAS_OP_T), i32(CUBLAS_OP_N), i32(n), i32(rows), i32(k), ctypes.byref(_ALPHA),
+            self._w, i32(CUDA_R_16BF), i32(k), i64(w_batch_stride),
+            self._x, i32(CUDA_R_16BF), i32(k), i64(x_batch_stride), ctypes.byref(_BETA),
+            self._y, i32(CUDA_R_32F), i32(n), i64(y_batch_stride),
+            i32(batch), i32(CUBLAS_COMPUTE_32F), i32(CUBLAS_GEMM_DEFAULT))
+        self._lock = threading.Lock()  # the address slots are shared by this plan's callers
+
+    def __call__(self, x_ptr: int, w_ptr: int, y_ptr: int) -> None:
+        """Y[b] = X[b] @ W[b]^T on torch's current stream and device."""
+        with self._lock:
+            self._handle.value = torch.cuda.current_blas_handle()
+            self._x.value, self._w.value, self._y.value = x_ptr, w_ptr, y_ptr
+            status = self._function(*self._args)
+        if status != 0:
+            raise RuntimeError(f"cublasGemmStridedBatchedEx failed with status {status}")
+
+
+def gemm_bf16_f32(x_ptr: int, w_ptr: int, y_ptr: int, **shape: int) -> None:
+    """One-off Y[b] = X[b] @ W[b]^T (shape as StridedBatchedGemm's keywords, strides in elements)."""
+    StridedBatchedGemm(**shape)(x_ptr, w_ptr, y_ptr)

@@ -60,7 +60,8 @@ def _run_cuda(hidden_states, unembed_projs, eps, version):
     if rows == 0:
         return out
     index = device.index
-    plan = _version(version, streams, hidden, index).plan(streams, rows, hidden, index)
+    stacked = unembed_projs[0].dim() == 3
+    plan = _version(version, streams, hidden, index).plan(streams, rows, hidden, stacked, index)
     plan(hidden_states, unembed_projs, out, eps, torch._C._cuda_getCurrentRawStream(index))
     return out
 

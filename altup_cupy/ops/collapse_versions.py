@@ -47,43 +47,47 @@ def rows_per_block(rows: int, streams: int, hidden: int) -> int:
 
 
 class V1Plan:
-    """One shape's v1: the GEMMs through torch, the epilogue through a packed launch."""
+    """One shape's v1: the GEMMs of each row block, then the epilogue, all with packed arguments."""
 
-    def __init__(self, streams: int, rows: int, hidden: int):
+    def __init__(self, streams: int, rows: int, hidden: int, stacked: bool):
         chunks, threads = epilogue_launch_shape(streams, hidden)
         kernel = _sources.COLLAPSE_V1.kernel(f"collapse_epilogue_v1<{streams}, {chunks}>")
         self.epilogue = PackedLaunch(kernel, threads, 0, ("ptr", "ptr", "ptr", "i32", "i64", "f32"))
-        self.streams, self.rows, self.hidden = streams, rows, hidden
+        self.streams, self.rows, self.hidden, self.stacked = streams, rows, hidden, stacked
         self.block_rows = rows_per_block(rows, streams, hidden)
+        self.blocks = [(first, min(self.block_rows, rows - first)) for first in range(0, rows, self.block_rows)]
+        # One GEMM per distinct row-block size: stacked weights in one strided batched call,
+        # listed weights one call each.
+        self.gemms = {
+            count: _cublas.StridedBatchedGemm(
+                rows=count, n=hidden, k=hidden, batch=streams - 1 if stacked else 1,
+                x_batch_stride=rows * hidden, w_batch_stride=hidden * hidden if stacked else 0,
+                y_batch_stride=count * hidden)
+            for count in {count for _, count in self.blocks}}
 
     def __call__(self, hidden_states: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
                  eps: float, stream: int) -> None:
-        streams, rows, hidden, block_rows = self.streams, self.rows, self.hidden, self.block_rows
-        workspace = torch.empty((streams - 1) * block_rows * hidden, dtype=torch.float32,
+        hidden, stream_elements = self.hidden, self.rows * self.hidden
+        workspace = torch.empty((self.streams - 1) * self.block_rows * hidden, dtype=torch.float32,
                                 device=hidden_states.device)
         hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()
         w_ptrs = [w.data_ptr() for w in weights]
-        stream_elements = rows * hidden
-        for first in range(0, rows, block_rows):
-            count = min(block_rows, rows - first)
+        for first, count in self.blocks:
             x = hs + 2 * (stream_elements + first * hidden)  # stream 1, row `first`
-            gemm = dict(rows=count, n=hidden, k=hidden, x_batch_stride=stream_elements,
-                        y_batch_stride=count * hidden)
-            if len(w_ptrs) == 1:  # stacked [N-1, H, H]
-                _cublas.gemm_bf16_f32(x, w_ptrs[0], ws, batch=streams - 1,
-                                      w_batch_stride=hidden * hidden, **gemm)
+            gemm = self.gemms[count]
+            if self.stacked:
+                gemm(x, w_ptrs[0], ws)
             else:
                 for k, w in enumerate(w_ptrs):
-                    _cublas.gemm_bf16_f32(x + 2 * k * stream_elements, w, ws + 4 * k * count * hidden,
-                                          batch=1, w_batch_stride=0, **gemm)
+                    gemm(x + 2 * k * stream_elements, w, ws + 4 * k * count * hidden)
             self.epilogue(stream, count, hs + 2 * first * hidden, ws, out_ptr + 2 * first * hidden,
                           hidden, count, eps)
 
 
 @functools.lru_cache(maxsize=256)
-def _v1_plan(streams: int, rows: int, hidden: int, device: int) -> V1Plan:
+def _v1_plan(streams: int, rows: int, hidden: int, stacked: bool, device: int) -> V1Plan:
     with torch.cuda.device(device):
-        return V1Plan(streams, rows, hidden)
+        return V1Plan(streams, rows, hidden, stacked)
 
 
 VERSIONS = {
