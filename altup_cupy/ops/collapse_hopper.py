@@ -433,10 +433,11 @@ def uses_row_statistics(rows: int, hidden: int, streams: int, device: int) -> bo
     return plan_gemm(rows, hidden, streams - 1, _device_sms(device)).splits == 1
 
 
-def _collapse(hidden_states: Any, weights: Any, eps: float, version: int) -> Any:
+def _collapse(hidden_states: Any, weights: Any, eps: float, version: int, out: Any = None) -> Any:
     hs, _, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
     eps = _arrays.positive_finite("eps", eps)
-    out = torch.empty(hs.shape[1:], dtype=torch.bfloat16, device=hidden_states.device)
+    if out is None:
+        out = torch.empty(hs.shape[1:], dtype=torch.bfloat16, device=hidden_states.device)
     if rows == 0:
         return out
     stream = torch.cuda.current_stream(device).cuda_stream

@@ -90,6 +90,17 @@ def _v1_plan(streams: int, rows: int, hidden: int, stacked: bool, device: int) -
         return V1Plan(streams, rows, hidden, stacked)
 
 
+def _hopper_plan(version: int):
+    """Versions 2-4 (ops/collapse_hopper.py) keep their own per-shape plans and launches."""
+    def plan(streams: int, rows: int, hidden: int, stacked: bool, device: int):
+        def run(hidden_states, weights, out, eps, stream):
+            from . import collapse_hopper
+
+            collapse_hopper._collapse(hidden_states, weights[0] if stacked else weights, eps, version, out)
+        return run
+    return plan
+
+
 VERSIONS = {
     1: Version(
         number=1,
@@ -98,6 +109,13 @@ VERSIONS = {
         supports=lambda streams, hidden: True,
         plan=_v1_plan,
     ),
+    2: Version(2, "own sm_90a GEMM (TMA, wgmma, producer/consumer warpgroups, persistent grid, split-K "
+                  "at small M) into the fp32 workspace, then v1's epilogue",
+               (_sources.COLLAPSE_V2, _sources.COLLAPSE_V1), lambda streams, hidden: True, _hopper_plan(2)),
+    3: Version(3, "row sums of squares from the GEMM's fp32 accumulators, so the epilogue reads y_k once",
+               (_sources.COLLAPSE_V2,), lambda streams, hidden: True, _hopper_plan(3)),
+    4: Version(4, "the CTA finishing a row block normalises it from L2: one launch, no epilogue pass",
+               (_sources.COLLAPSE_V2,), lambda streams, hidden: True, _hopper_plan(4)),
 }
 # The default: the first of these that runs on the device and shape.
 PREFERENCE = (1,)
