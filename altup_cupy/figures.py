@@ -129,7 +129,7 @@ def parse_rows(rows: Iterable[dict]) -> list[dict]:
         row = dict(raw)
         for key in ("N", "H", "batch_size", "seq_len", "tokens"):
             row[key] = int(float(raw[key]))
-        for key in ("median_us", "p10_us", "p90_us", "sol_us", "pct_sol", "tflops", "tbps",
+        for key in ("median_us", "wall_us", "p10_us", "p90_us", "sol_us", "pct_sol", "tflops", "tbps",
                     "match_ratio", "rel_l2"):
             row[key] = _float(raw.get(key))
         row["passed"] = _passed(raw.get("passed"))

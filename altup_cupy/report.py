@@ -109,6 +109,29 @@ def results_table(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
+def gpu_and_wall_table(rows: Sequence[dict]) -> str:
+    """Per implementation: GPU time and wall time (what one call costs a program, host included),
+    as means over the workloads and at the smallest and the largest M. Empty for CSVs recorded
+    before the benchmark measured wall time."""
+    if not any(math.isfinite(r.get("wall_us", math.nan)) for r in rows):
+        return ""
+    tokens = sorted({r["tokens"] for r in rows})
+    head = ["implementation", "mean GPU µs", "mean wall µs", f"GPU / wall µs at M = {tokens[0]}",
+            f"GPU / wall µs at M = {tokens[-1]}"]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for impl in impl_order(rows):
+        mine = [r for r in rows if r["impl"] == impl]
+        at = {r["tokens"]: r for r in mine}
+
+        def pair(m):
+            r = at.get(m)
+            return f"{_us(r['median_us'])} / {_us(r['wall_us'])}" if r else "—"
+        cells = [impl, _us(statistics.fmean(r["median_us"] for r in mine)),
+                 _us(statistics.fmean(r["wall_us"] for r in mine)), pair(tokens[0]), pair(tokens[-1])]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def _pct(value: float) -> str:
     return f"{value:.1f}%" if math.isfinite(value) else "—"
 
@@ -210,6 +233,16 @@ def progression_table(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
+def _wall_section(rows: Sequence[dict]) -> str:
+    table = gpu_and_wall_table(rows)
+    if not table:
+        return ""
+    return ("\n\nGPU time (above) is what the kernels take when the host issues work ahead of the GPU "
+            "(a training step, a CUDA graph, back-to-back calls); wall time is what one call costs a "
+            "program that waits for it: CUDA events around the call with the GPU idle before it, host "
+            "time included. At small M the host's share dominates the wall time.\n\n" + table)
+
+
 def markdown_tables(results_dir: Path | str = RECORDED_RESULTS_DIR, heading_level: int = 3) -> str:
     """Every op and suite with a CSV in `results_dir`, as markdown; absent ones are named."""
     parts = []
@@ -230,7 +263,7 @@ def markdown_tables(results_dir: Path | str = RECORDED_RESULTS_DIR, heading_leve
                 f"SOL = H200 datasheet speed of light.\n\n{results_table(rows)}\n\n"
                 "✗: fails the benchmark's tolerance rule (≥ 99% of elements within atol + rtol·|ref|). "
                 "Mean row: arithmetic means over workloads (µs, % of SOL), geometric mean (speedup), "
-                "workloads passing.")
+                "workloads passing." + _wall_section(rows))
     return "\n\n".join(parts) + "\n"
 
 

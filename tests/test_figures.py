@@ -317,3 +317,14 @@ def test_bandwidth_table_against_the_copy_rate(synthetic):
     table = _table_lines(report.bandwidth_table(rows))
     pct = float(table[2][-1].rstrip("%"))
     assert pct == pytest.approx(100 * first["altup_cupy"] / 4.22, abs=0.06)
+
+
+def test_gpu_and_wall_table_shows_both_times_per_implementation():
+    rows = [{"impl": impl, "tokens": m, "median_us": gpu, "wall_us": wall}
+            for impl, m, gpu, wall in [("altup_cupy", 128, 10.0, 60.0), ("altup_cupy", 8192, 300.0, 310.0),
+                                       ("torch_eager", 128, 50.0, 90.0), ("torch_eager", 8192, 900.0, 905.0)]]
+    table = report.gpu_and_wall_table(rows).splitlines()
+    assert table[0].startswith("| implementation | mean GPU µs | mean wall µs | GPU / wall µs at M = 128")
+    ours = next(line for line in table if line.startswith("| altup_cupy |"))
+    assert "155.0" in ours and "185.0" in ours and "10.0 / 60.0" in ours and "300.0 / 310.0" in ours
+    assert report.gpu_and_wall_table([{**r, "wall_us": float("nan")} for r in rows]) == ""
