@@ -82,8 +82,9 @@ def _ptr(tensor: torch.Tensor) -> numpy.uint64:
 
 
 def _row_threads(hidden: int) -> int:
-    """H / 8 threads, rounded up to whole warps."""
-    return (hidden // 8 + 31) // 32 * 32
+    """H / 8 threads rounded up to whole warps, and at least N^3 <= 64: in the predict backward
+    thread e accumulates the prediction-coefficient gradient entry e."""
+    return max(64, (hidden // 8 + 31) // 32 * 32)
 
 
 def _launch(source: KernelSource, name: str, like: torch.Tensor, grid: int, threads: int, args,
