@@ -127,17 +127,40 @@ def bench_altup_step(shapes, reps, warmup, info):
         x = torch.randn(batch, seq, HIDDEN, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         grad = torch.randn(batch, seq, HIDDEN, device="cuda", dtype=torch.bfloat16)
         for impl, model in (("altup_cupy", ours), ("transformers_eager", eager), ("torch_compile", compiled)):
-            rows.append(_row("altup_step", impl, LAYERS, batch, seq, _training_call(model, x, grad), reps, warmup, info))
-            torch.cuda.empty_cache()
+            row = _guarded(lambda: _row("altup_step", impl, LAYERS, batch, seq, _training_call(model, x, grad),
+                                        reps, warmup, info), f"{impl} {batch}x{seq}")
+            rows += [row] if row else []
     return rows
+
+
+def _guarded(measure, what):
+    """One measurement; a failure (out of memory, a compile error) is reported and skipped, not fatal."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001  (the other rows are still worth having)
+        print(f"FAILED {what}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _optimizer_step(model, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def bench_model_step(reps, warmup, info, batch=4, seq=1024):
     """One AdamW training step of a small Gemma3nForCausalLM (E2B's width, 4 layers)."""
-    config = tiny_text_config(streams=STREAMS, hidden=HIDDEN, layers=4)
-    config.vocab_size = config.vocab_size_per_layer_input = 8192
-    config.intermediate_size, config.num_attention_heads, config.head_dim = 8192, 8, 256
-    config.hidden_size_per_layer_input, config.laurel_rank, config.sliding_window = 256, 64, 512
+    config = tiny_text_config(streams=STREAMS, hidden=HIDDEN, layers=4, vocab_size=8192,
+                              vocab_size_per_layer_input=8192, intermediate_size=8192, num_attention_heads=8,
+                              head_dim=256, hidden_size_per_layer_input=256, laurel_rank=64, sliding_window=512,
+                              max_position_embeddings=seq)
     torch.manual_seed(0)
     base = modeling.Gemma3nForCausalLM(config).to("cuda", torch.bfloat16).train()
     ids = torch.randint(3, config.vocab_size, (batch, seq), device="cuda")
@@ -146,16 +169,10 @@ def bench_model_step(reps, warmup, info, batch=4, seq=1024):
         model = copy.deepcopy(base)
         if impl == "altup_cupy":
             gemma3n.patch(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        rows.append(_row("model_step", impl, config.num_hidden_layers, batch, seq, step, reps, warmup, info))
-        del model, optimizer
-        torch.cuda.empty_cache()
+        step = _optimizer_step(model, ids)
+        row = _guarded(lambda: _row("model_step", impl, config.num_hidden_layers, batch, seq, step, reps, warmup,
+                                    info), f"model step {impl}")
+        rows += [row] if row else []
     return rows
 
 

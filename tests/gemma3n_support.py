@@ -50,11 +50,12 @@ def transformers_gemma3n():
 
 
 def tiny_text_config(streams: int = 4, hidden: int = 16, active_idx: int = 0, layers: int = 2,
-                     coef_clip: float = 120.0):
-    """A real Gemma3nTextConfig with small sizes (random init, nothing downloaded)."""
+                     coef_clip: float = 120.0, **sizes):
+    """A real Gemma3nTextConfig with small sizes (random init, nothing downloaded); `sizes`
+    overrides any other constructor argument (vocab_size, intermediate_size, ...)."""
     from transformers import Gemma3nTextConfig
 
-    config = Gemma3nTextConfig(
+    arguments = dict(
         vocab_size=64, vocab_size_per_layer_input=64, hidden_size=hidden, intermediate_size=32,
         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
         hidden_size_per_layer_input=4, laurel_rank=4, num_kv_shared_layers=0,
@@ -63,4 +64,4 @@ def tiny_text_config(streams: int = 4, hidden: int = 16, active_idx: int = 0, la
         activation_sparsity_pattern=[0.0] * layers, max_position_embeddings=64,
         pad_token_id=0, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
     )
-    return config
+    return Gemma3nTextConfig(**{**arguments, **sizes})

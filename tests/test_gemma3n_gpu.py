@@ -194,9 +194,8 @@ def _train(model, batches, steps):
 
 def test_training_converges_like_transformers(seeds):
     torch.manual_seed(seeds())
-    config = tiny_text_config(streams=STREAMS, hidden=256, layers=4)
-    config.vocab_size = config.vocab_size_per_layer_input = 512
-    config.intermediate_size, config.num_attention_heads, config.head_dim = 512, 4, 64
+    config = tiny_text_config(streams=STREAMS, hidden=256, layers=4, vocab_size=512, vocab_size_per_layer_input=512,
+                              intermediate_size=512, num_attention_heads=4, head_dim=64, max_position_embeddings=128)
     start = modeling.Gemma3nForCausalLM(config).to("cuda", torch.float32)
     with torch.no_grad():
         for layer in start.model.layers:

@@ -1,7 +1,7 @@
 """Gemma 3n's four AltUp steps as separate autograd nodes, forward and backward, in plain PyTorch.
 
 In the model the decoder layer reads the active prediction and returns `activated`, so predict
-and correct are two nodes with the layer's backward between them (docs: GEMMA3N). Shapes: streams
+and correct are two nodes with the layer's backward between them (docs/GEMMA3N.md). Shapes: streams
 [N, B, S, H], rows [B, S, H]; R = router_weight [N, H], w = norm_weight [H], P [N*N, N], Q [N, N].
 
     route(x)      = tanh(R @ (x * rsqrt(mean(x^2) + eps) * w / H))
