@@ -9,7 +9,7 @@ As Liger-Kernel does, `patch()` replaces methods on transformers' classes and `p
 replacements on the modules of one instance:
 - `Gemma3nTextAltUp.predict` / `.correct` of every decoder layer -> `altup_cupy.torch.predict` /
   `.correct`, with transformers' semantics: N = config.altup_num_inputs, a = config.altup_active_idx,
-  eps = the router norm's eps, and in training mode the coefficient clipping of
+  eps = the router norm's eps, the router scale of the `router_input_scale` buffer, and in training mode the coefficient clipping of
   `config.altup_coef_clip` (the prediction weights clamped in place, the correction weights clamped
   out of place, so their gradient is masked where the clamp is active).
 - the expansion and collapse that `Gemma3nTextModel.forward` writes inline -> `altup_cupy.torch.expand`
@@ -76,6 +76,19 @@ def _coefficients(module, weight: torch.Tensor) -> torch.Tensor:
     return weight.clamp(-clip, clip) if module.training and clip is not None else weight
 
 
+_router_scales: dict[tuple[int, torch.dtype], float] = {}
+
+
+def _router_scale(module) -> float:
+    """The value of the module's `router_input_scale` buffer (1 / H made in fp32, then converted to
+    the buffer's dtype), computed on the host once per (H, dtype): reading the buffer itself would
+    synchronise with the GPU on every call."""
+    key = (module.config.hidden_size, module.router_input_scale.dtype)
+    if key not in _router_scales:
+        _router_scales[key] = torch.tensor(key[0] ** -1.0, dtype=torch.float32).to(key[1]).item()
+    return _router_scales[key]
+
+
 def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
     weights = (self.prediction_coefs.weight, self.modality_router.weight, self.router_norm.weight)
     if _unserved("AltUp predict", (hidden_states, *weights), self.config.altup_num_inputs, hidden_states.shape[-1]):
@@ -83,7 +96,8 @@ def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if self.training and self.config.altup_coef_clip is not None:  # in place, as transformers does
         clip = self.config.altup_coef_clip
         self.prediction_coefs.weight.data.clamp_(-clip, clip)
-    return altup.predict(hidden_states.contiguous(), *weights, self.config.altup_active_idx, self.router_norm.eps)
+    return altup.predict(hidden_states.contiguous(), *weights, self.config.altup_active_idx, self.router_norm.eps,
+                         _router_scale(self))
 
 
 def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
@@ -92,7 +106,7 @@ def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.
                  activated.shape[-1]):
         return _original(type(self), "correct")(self, predictions, activated)
     return altup.correct(predictions.contiguous(), activated.contiguous(), _coefficients(self, weights[0]),
-                         *weights[1:], self.config.altup_active_idx, self.router_norm.eps)
+                         *weights[1:], self.config.altup_active_idx, self.router_norm.eps, _router_scale(self))
 
 
 # ---- the text model's forward with the expansion and collapse blocks replaced ---------------------

@@ -120,27 +120,26 @@ def _column_sum(partials: torch.Tensor, columns: int) -> torch.Tensor:
     return out
 
 
-def _router_grads(S: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor):
-    """dR = w S / H and dw = sum_n R_n S_n / H from S_nd = sum_t r gz_n x_d (fp32)."""
-    hidden = S.shape[-1]
+def _router_grads(S: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor, router_scale: float):
+    """dR = s w S and dw = s sum_n R_n S_n from S_nd = sum_t r gz_n x_d (fp32)."""
     w, R = norm_weight.float(), router_weight.float()
-    return w * S / hidden, (R * S).sum(dim=0) / hidden
+    return router_scale * w * S, router_scale * (R * S).sum(dim=0)
 
 
 def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx: int,
-                    eps: float) -> torch.Tensor:
+                    eps: float, router_scale: float) -> torch.Tensor:
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     tokens = hidden_states[0].numel() // hidden
     out = torch.empty_like(hidden_states)
     _launch(PREDICT_SOURCE, f"altup_predict_forward_v1<{streams}, {active_idx}>", hidden_states, tokens,
             _row_threads(hidden),
             (_ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight), _ptr(norm_weight), _ptr(out),
-             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps)))
+             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
     return out
 
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float) -> PredictGradients:
+                     active_idx: int, eps: float, router_scale: float) -> PredictGradients:
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     tokens = hidden_states[0].numel() // hidden
     grad_h = torch.empty_like(hidden_states)
@@ -151,28 +150,28 @@ def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_w
             _row_threads(hidden),
             (_ptr(grad_predictions), _ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight),
              _ptr(norm_weight), _ptr(grad_h), _ptr(partials), numpy.int64(stride), numpy.int64(tokens),
-             numpy.int32(hidden), numpy.float32(eps)),
+             numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)),
             shared_mem=4 * streams * hidden)
     sums = _column_sum(partials, columns)
     S = sums[: streams * hidden].view(streams, hidden)
-    grad_R, grad_w = _router_grads(S, router_weight, norm_weight)
+    grad_R, grad_w = _router_grads(S, router_weight, norm_weight, router_scale)
     return PredictGradients(grad_h, sums[streams * hidden:].view(streams * streams, streams), grad_R, grad_w)
 
 
 def correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx: int,
-                    eps: float) -> torch.Tensor:
+                    eps: float, router_scale: float) -> torch.Tensor:
     streams, hidden = predictions.shape[0], predictions.shape[-1]
     tokens = activated.numel() // hidden
     out = torch.empty_like(predictions)
     _launch(CORRECT_SOURCE, f"altup_correct_forward_v1<{streams}, {active_idx}>", predictions, tokens,
             _row_threads(hidden),
             (_ptr(predictions), _ptr(activated), _ptr(correction_coefs), _ptr(router_weight), _ptr(norm_weight),
-             _ptr(out), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps)))
+             _ptr(out), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
     return out
 
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float) -> CorrectGradients:
+                     active_idx: int, eps: float, router_scale: float) -> CorrectGradients:
     streams, hidden = predictions.shape[0], predictions.shape[-1]
     tokens = activated.numel() // hidden
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
@@ -183,10 +182,10 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
             _row_threads(hidden),
             (_ptr(grad_corrected), _ptr(predictions), _ptr(activated), _ptr(correction_coefs),
              _ptr(router_weight), _ptr(norm_weight), _ptr(grad_pred), _ptr(grad_x), _ptr(partials),
-             numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps)))
+             numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
     sums = _column_sum(partials, columns)
     S = sums[: streams * hidden].view(streams, hidden)
-    grad_R, grad_w = _router_grads(S, router_weight, norm_weight)
+    grad_R, grad_w = _router_grads(S, router_weight, norm_weight, router_scale)
     return CorrectGradients(grad_pred, grad_x, sums[streams * hidden:].view(streams, streams), grad_R, grad_w)
 
 

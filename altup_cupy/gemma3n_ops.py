@@ -1,8 +1,8 @@
 """PyTorch custom operators (namespace altup_cupy) for Gemma 3n's AltUp steps, forward and backward.
 
-    predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps) -> pred
+    predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale) -> pred
     predict_backward(grad, hidden_states, ...) -> (grad_hidden_states, grad_P, grad_R, grad_w)
-    correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps)
+    correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale)
     correct_backward(grad, predictions, activated, ...) -> (grad_pred, grad_activated, grad_Q, grad_R, grad_w)
     expand(embeddings, projections[], floor) -> (streams, projected)   projected: x0 @ W_k^T, [B, S, N-1, H]
     expand_backward(grad_streams, embeddings, projections[], projected, floor) -> (grad_embeddings, grad_W[])
@@ -12,7 +12,9 @@ Each has a fake implementation (shapes only: torch.compile, FakeTensorMode), a C
 (the kernels of `gemma3n_kernels`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072, weight gradients in
 fp32) and a CPU implementation: `reference.gemma3n` in float32 (float64 for float64 inputs, so
 torch.autograd.gradcheck runs on it), results in the input dtype and weight gradients in float32
-(float64). `altup_cupy.torch` makes them differentiable.
+(float64). router_scale is the s of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or
+transformers' `router_input_scale` buffer in the model's dtype. `altup_cupy.torch` makes them
+differentiable.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weigh
 
 @torch.library.custom_op("altup_cupy::predict", mutates_args=())
 def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
-            norm_weight: torch.Tensor, active_idx: int, eps: float) -> torch.Tensor:
+            norm_weight: torch.Tensor, active_idx: int, eps: float, router_scale: float) -> torch.Tensor:
     streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
     args = (hidden_states, prediction_coefs, router_weight, norm_weight)
     if hidden_states.is_cuda:
@@ -125,20 +127,20 @@ def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_
                     streams, hidden)
         if hidden_states[0].numel() == 0:
             return torch.empty_like(hidden_states)
-        return cuda.predict_forward(*args, active_idx, eps)
-    return ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states)).to(hidden_states.dtype)
+        return cuda.predict_forward(*args, active_idx, eps, router_scale)
+    return ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale).to(hidden_states.dtype)
 
 
 @predict.register_fake
-def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps):
+def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
     _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
     return torch.empty_like(hidden_states)
 
 
 @torch.library.custom_op("altup_cupy::predict_backward", mutates_args=())
 def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor, prediction_coefs: torch.Tensor,
-                     router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
+                     router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
     _check_tensor("grad_predictions", grad_predictions, tuple(hidden_states.shape), "N B S H")
     args = (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight)
@@ -147,8 +149,8 @@ def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor
                               "norm_weight"), args)), streams, hidden)
         if hidden_states[0].numel() == 0:
             return _zero_grads(hidden_states, prediction_coefs, router_weight, norm_weight)
-        return tuple(cuda.predict_backward(*args, active_idx, eps))
-    grads = ref.predict_backward(*args, active_idx, eps, _compute_dtype(hidden_states))
+        return tuple(cuda.predict_backward(*args, active_idx, eps, router_scale))
+    grads = ref.predict_backward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
     return (grads[0].to(hidden_states.dtype), *grads[1:])
 
 
@@ -159,7 +161,7 @@ def _zero_grads(activations, *weights):
 
 
 @predict_backward.register_fake
-def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps):
+def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
     _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
     f = _weight_grad_dtype(hidden_states)
     return (torch.empty_like(hidden_states), prediction_coefs.new_empty(prediction_coefs.shape, dtype=f),
@@ -181,19 +183,20 @@ _CORRECT_NAMES = ("predictions", "activated", "correction_coefs", "router_weight
 
 @torch.library.custom_op("altup_cupy::correct", mutates_args=())
 def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
-            router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float) -> torch.Tensor:
+            router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
+            router_scale: float) -> torch.Tensor:
     args = (predictions, activated, correction_coefs, router_weight, norm_weight)
     streams, hidden = _validate_correct(*args, active_idx)
     if predictions.is_cuda:
         _check_cuda(list(zip(_CORRECT_NAMES, args)), streams, hidden)
         if activated.numel() == 0:
             return torch.empty_like(predictions)
-        return cuda.correct_forward(*args, active_idx, eps)
-    return ref.correct_forward(*args, active_idx, eps, _compute_dtype(predictions)).to(predictions.dtype)
+        return cuda.correct_forward(*args, active_idx, eps, router_scale)
+    return ref.correct_forward(*args, active_idx, eps, _compute_dtype(predictions), router_scale).to(predictions.dtype)
 
 
 @correct.register_fake
-def _(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps):
+def _(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
     _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
     return torch.empty_like(predictions)
 
@@ -201,7 +204,7 @@ def _(predictions, activated, correction_coefs, router_weight, norm_weight, acti
 @torch.library.custom_op("altup_cupy::correct_backward", mutates_args=())
 def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, activated: torch.Tensor,
                      correction_coefs: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor,
-                     active_idx: int, eps: float
+                     active_idx: int, eps: float, router_scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (predictions, activated, correction_coefs, router_weight, norm_weight)
     streams, hidden = _validate_correct(*args, active_idx)
@@ -211,13 +214,14 @@ def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, ac
         if activated.numel() == 0:
             return (torch.zeros_like(predictions), *_zero_grads(activated, correction_coefs, router_weight,
                                                                  norm_weight))
-        return tuple(cuda.correct_backward(grad_corrected, *args, active_idx, eps))
-    grads = ref.correct_backward(grad_corrected, *args, active_idx, eps, _compute_dtype(predictions))
+        return tuple(cuda.correct_backward(grad_corrected, *args, active_idx, eps, router_scale))
+    grads = ref.correct_backward(grad_corrected, *args, active_idx, eps, _compute_dtype(predictions), router_scale)
     return (grads[0].to(predictions.dtype), grads[1].to(activated.dtype), *grads[2:])
 
 
 @correct_backward.register_fake
-def _(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps):
+def _(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
+      router_scale):
     _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
     f = _weight_grad_dtype(predictions)
     return (torch.empty_like(predictions), torch.empty_like(activated),

@@ -14,8 +14,10 @@ registered through torch.library.register_autograd, so they compose with torch.c
 correct are separate autograd nodes: in the model `activated` is computed from the active
 prediction, and autograd runs the layer's backward between them. Gradients come back in each
 input's dtype (the kernels accumulate weight gradients in fp32 and round once).
-No coefficient clipping happens here: a caller that clips (transformers in training mode) passes
-clipped weights (see `altup_cupy.gemma3n`).
+The router is route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)) with s = router_scale, 1 / H by
+default (transformers' models use their `router_input_scale` buffer: 1 / H rounded to the model's
+dtype). No coefficient clipping happens here: a caller that clips (transformers in training mode)
+passes clipped weights (see `altup_cupy.gemma3n`).
 """
 
 from __future__ import annotations
@@ -34,41 +36,48 @@ def _like(grad, t):
     return None if grad is None else grad.to(t.dtype)
 
 
+def _router_scale(router_scale, x):
+    return 1.0 / x.shape[-1] if router_scale is None else float(router_scale)
+
+
 # ---- predict -----------------------------------------------------------------------------------
 
 def _predict_setup(ctx, inputs, output):
-    hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps = inputs
+    hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale = inputs
     ctx.save_for_backward(hidden_states, prediction_coefs, router_weight, norm_weight)
-    ctx.active_idx, ctx.eps = active_idx, eps
+    ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
 
 
 def _predict_backward(ctx, grad):
     saved = ctx.saved_tensors
-    grads = _ops.predict_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps)
-    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None)
+    grads = _ops.predict_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
+    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
 
 
 torch.library.register_autograd("altup_cupy::predict", _predict_backward, setup_context=_predict_setup)
 
 
 def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
-            norm_weight: torch.Tensor, active_idx: int = 0, eps: float = 1e-6) -> torch.Tensor:
-    """pred_i = h_i + sum_j C[i][j] h_j with C = reshape(P route(h_a), [N, N]); [N, B, S, H]."""
-    return _ops.predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps)
+            norm_weight: torch.Tensor, active_idx: int = 0, eps: float = 1e-6,
+            router_scale: float | None = None) -> torch.Tensor:
+    """pred_i = h_i + sum_j C[i][j] h_j with C = reshape(P route(h_a), [N, N]); [N, B, S, H].
+    router_scale: the s of route (module docstring); None: 1 / H."""
+    return _ops.predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps,
+                        _router_scale(router_scale, hidden_states))
 
 
 # ---- correct -----------------------------------------------------------------------------------
 
 def _correct_setup(ctx, inputs, output):
-    predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps = inputs
+    predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale = inputs
     ctx.save_for_backward(predictions, activated, correction_coefs, router_weight, norm_weight)
-    ctx.active_idx, ctx.eps = active_idx, eps
+    ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
 
 
 def _correct_backward(ctx, grad):
     saved = ctx.saved_tensors
-    grads = _ops.correct_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps)
-    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None)
+    grads = _ops.correct_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
+    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
 
 
 torch.library.register_autograd("altup_cupy::correct", _correct_backward, setup_context=_correct_setup)
@@ -76,9 +85,11 @@ torch.library.register_autograd("altup_cupy::correct", _correct_backward, setup_
 
 def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
             router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int = 0,
-            eps: float = 1e-6) -> torch.Tensor:
-    """corrected_i = pred_i + k_i (activated - pred_a), k = Q route(activated) + 1; [N, B, S, H]."""
-    return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps)
+            eps: float = 1e-6, router_scale: float | None = None) -> torch.Tensor:
+    """corrected_i = pred_i + k_i (activated - pred_a), k = Q route(activated) + 1; [N, B, S, H].
+    router_scale: the s of route (module docstring); None: 1 / H."""
+    return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
+                        _router_scale(router_scale, activated))
 
 
 # ---- expansion ---------------------------------------------------------------------------------

@@ -162,3 +162,12 @@ def test_patch_refuses_other_models():
         gemma3n.patch(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         gemma3n.patch("gemma")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("hidden", (2048, 2560))
+def test_router_scale_is_the_buffer_value(hidden, dtype):
+    """The patch passes the router's input scale as transformers' buffer holds it (in bf16,
+    1/2560 is 0.1% off), computed without reading the buffer."""
+    module = modeling.Gemma3nTextAltUp(tiny_text_config(hidden=hidden)).to(dtype)
+    assert gemma3n._router_scale(module) == module.router_input_scale.item()

@@ -26,22 +26,30 @@ def _autograd(forward, inputs, grad_output):
     return torch.autograd.grad(out, leaves, grad_outputs=grad_output)
 
 
+# None: 1 / H; the other: 1 / H rounded to bf16 at H = 2560, as transformers' bf16 buffer holds it
+ROUTER_SCALES = (None, 1.0009765625 / 16)
+
+
+@pytest.mark.parametrize("router_scale", ROUTER_SCALES)
 @pytest.mark.parametrize("streams,active", CASES)
-def test_predict_backward_matches_autograd(seeds, streams, active):
+def test_predict_backward_matches_autograd(seeds, streams, active, router_scale):
     x = random_altup_inputs(seeds(), streams)
     args = (x.hidden_states, x.prediction_coefs, x.router_weight, x.norm_weight)
-    expected = _autograd(lambda *t: ref.predict_forward(*t, active_idx=active, eps=EPS), args, x.grad_streams)
-    got = ref.predict_backward(x.grad_streams, *args, active_idx=active, eps=EPS)
+    kw = dict(active_idx=active, eps=EPS, router_scale=router_scale)
+    expected = _autograd(lambda *t: ref.predict_forward(*t, **kw), args, x.grad_streams)
+    got = ref.predict_backward(x.grad_streams, *args, **kw)
     for name, g, e in zip(got._fields, got, expected):
         _close(g, e, name)
 
 
+@pytest.mark.parametrize("router_scale", ROUTER_SCALES)
 @pytest.mark.parametrize("streams,active", CASES)
-def test_correct_backward_matches_autograd(seeds, streams, active):
+def test_correct_backward_matches_autograd(seeds, streams, active, router_scale):
     x = random_altup_inputs(seeds(), streams)
     args = (x.hidden_states, x.activated, x.correction_coefs, x.router_weight, x.norm_weight)
-    expected = _autograd(lambda *t: ref.correct_forward(*t, active_idx=active, eps=EPS), args, x.grad_streams)
-    got = ref.correct_backward(x.grad_streams, *args, active_idx=active, eps=EPS)
+    kw = dict(active_idx=active, eps=EPS, router_scale=router_scale)
+    expected = _autograd(lambda *t: ref.correct_forward(*t, **kw), args, x.grad_streams)
+    got = ref.correct_backward(x.grad_streams, *args, **kw)
     for name, g, e in zip(got._fields, got, expected):
         _close(g, e, name)
 

@@ -50,12 +50,13 @@ def test_ops_pass_opcheck(seeds, streams):
     ops = torch.ops.altup_cupy
     projections = list(x.projections)
     checks = [
-        (ops.predict, (hs, P, R, w, streams - 1, 1e-6)),
-        (ops.correct, (hs, act, Q, R, w, 0, 1e-6)),
+        (ops.predict, (hs, P, R, w, streams - 1, 1e-6, 0.125)),
+        (ops.correct, (hs, act, Q, R, w, 0, 1e-6, 0.125)),
         (ops.expand, (act, projections, 1e-5)),
         (ops.collapse, (hs, projections, 1e-5)),
-        (ops.predict_backward, (x.grad_streams, x.hidden_states, x.prediction_coefs, R, w, 0, 1e-6)),
-        (ops.correct_backward, (x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, R, w, 1, 1e-6)),
+        (ops.predict_backward, (x.grad_streams, x.hidden_states, x.prediction_coefs, R, w, 0, 1e-6, 0.125)),
+        (ops.correct_backward, (x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, R, w, 1, 1e-6,
+                                0.125)),
         (ops.collapse_backward, (x.grad_row, x.hidden_states, projections, 1e-5)),
     ]
     for op, args in checks:
@@ -70,15 +71,15 @@ def test_fake_shapes_and_dtypes():
         R, w = torch.empty(4, 16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.bfloat16)
         W = [torch.empty(16, 16, dtype=torch.bfloat16) for _ in range(3)]
         ops = torch.ops.altup_cupy
-        assert ops.predict(h, P, R, w, 0, 1e-6).shape == h.shape
-        assert ops.correct(h, act, Q, R, w, 0, 1e-6).shape == h.shape
+        assert ops.predict(h, P, R, w, 0, 1e-6, 1 / 16).shape == h.shape
+        assert ops.correct(h, act, Q, R, w, 0, 1e-6, 1 / 16).shape == h.shape
         streams, projected = ops.expand(act, W, 1e-5)
         assert streams.shape == (4, 2, 8, 16) and projected.shape == (2, 8, 3, 16)
         assert ops.collapse(h, W, 1e-5).shape == act.shape
-        grads = ops.predict_backward(h, h, P, R, w, 0, 1e-6)
+        grads = ops.predict_backward(h, h, P, R, w, 0, 1e-6, 1 / 16)
         assert [g.shape for g in grads] == [h.shape, P.shape, R.shape, w.shape]
         assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
-        grads = ops.correct_backward(h, h, act, Q, R, w, 0, 1e-6)
+        grads = ops.correct_backward(h, h, act, Q, R, w, 0, 1e-6, 1 / 16)
         assert [g.shape for g in grads] == [h.shape, act.shape, Q.shape, R.shape, w.shape]
         grad_s, grad_u = ops.collapse_backward(act, h, W, 1e-5)
         assert grad_s.shape == h.shape and [g.shape for g in grad_u] == [(16, 16)] * 3

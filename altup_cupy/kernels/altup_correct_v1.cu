@@ -7,7 +7,8 @@
 // ONE block reduction gives <x, x>, A_n = sum_d R_nd w_d x_d, <g_i, x> and <g_i, pred_a>:
 //   gk_i = <g_i, x> - <g_i, pred_a>;  gd = sum_i k_i g_i;  grad_pred_i = g_i - [i == a] gd
 //   grad_x = gd + route_backward(x, Q^T gk)
-//   partial layout per block: S [N, H] (S_nd = sum_t r gz_n x_d) | dQ [N*N] (sum_t gk_i m_l)
+//   partial layout per block: S [N, H] (S_nd = sum_t r gz_n x_d) | dQ [N*N] (sum_t gk_i m_l);
+//   the host finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale)
 // Only the active prediction row is read in the backward: the other rows do not reach a gradient.
 #include "common.cuh"
 #include "altup_rows.cuh"
@@ -20,7 +21,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
     const unsigned short* __restrict__ router_weight,     // [N, H] bf16
     const unsigned short* __restrict__ norm_weight,       // [H] bf16
     unsigned short* __restrict__ corrected,               // [N, M, H] bf16
-    const long long tokens, const int hidden, const float eps) {
+    const long long tokens, const int hidden, const float eps, const float router_scale) {
     __shared__ float scratch[32 * (1 + N)];
     __shared__ float Q[N * N];
     load_small_matrix(correction_coefs, Q, N * N);
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
     sums[0] = dot8(x, x);
     router.project(x, sums + 1);
     block_sum(sums, scratch);
-    const RouterScalars<N> route(sums[0], sums + 1, hidden, eps);
+    const RouterScalars<N> route(sums[0], sums + 1, hidden, eps, router_scale);
 
     float innovation[kVec];
 #pragma unroll
@@ -64,7 +65,8 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
     unsigned short* __restrict__ grad_predictions,        // [N, M, H] bf16
     unsigned short* __restrict__ grad_activated,          // [M, H] bf16
     float* __restrict__ partials,                         // [gridDim.x, partial_stride] fp32
-    const long long partial_stride, const long long tokens, const int hidden, const float eps) {
+    const long long partial_stride, const long long tokens, const int hidden, const float eps,
+    const float router_scale) {
     constexpr int kSums = 1 + 3 * N;
     __shared__ float scratch[32 * kSums];
     __shared__ float Q[N * N];
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
         }
         block_sum(sums, scratch);
         const float* Ac = sums + 1;
-        const RouterScalars<N> route(sums[0], Ac, hidden, eps);
+        const RouterScalars<N> route(sums[0], Ac, hidden, eps, router_scale);
 
         float gk[N], gm[N], k[N];
 #pragma unroll
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
             gm[l] = s;
         }
         float gz[N], alpha[N];
-        const float beta = route.backward(gm, Ac, hidden, gz, alpha);
+        const float beta = route.backward(gm, Ac, router_scale, gz, alpha);
 #pragma unroll
         for (int i = 0; i < N * N; ++i) {
             if (threadIdx.x == i) dQ = fmaf(gk[i / N], route.m[i % N], dQ);

@@ -10,8 +10,9 @@
 //   dC = G;  gm_p = P^T dC;  grad_h_j = g_j + sum_i C_ij g_i + [j == a] route_backward(h_a, gm_p)
 //   partial layout per block: S [N, H] (S_nd = sum_t r gz_n h_a,d) | dP [N*N*N] (sum_t G_ij m_l)
 //   (S accumulates in N * H floats of dynamic shared memory)
-// and the host finishes dR = w S / H, dw = sum_n R_n S_n / H. The active index A is a template
-// argument so that every row array is indexed by constants (registers, no local memory).
+// and the host finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
+// active index A is a template argument so that every row array is indexed by constants
+// (registers, no local memory).
 #include "common.cuh"
 #include "altup_rows.cuh"
 
@@ -22,7 +23,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     const unsigned short* __restrict__ router_weight,   // [N, H] bf16
     const unsigned short* __restrict__ norm_weight,     // [H] bf16
     unsigned short* __restrict__ predictions,           // [N, M, H] bf16
-    const long long tokens, const int hidden, const float eps) {
+    const long long tokens, const int hidden, const float eps, const float router_scale) {
     __shared__ float scratch[32 * (1 + N)];
     __shared__ float P[N * N * N];
     load_small_matrix(prediction_coefs, P, N * N * N);
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     sums[0] = dot8(h[A], h[A]);
     router.project(h[A], sums + 1);
     block_sum(sums, scratch);
-    const RouterScalars<N> route(sums[0], sums + 1, hidden, eps);
+    const RouterScalars<N> route(sums[0], sums + 1, hidden, eps, router_scale);
 
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -65,7 +66,8 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
     const unsigned short* __restrict__ norm_weight,       // [H] bf16
     unsigned short* __restrict__ grad_hidden_states,      // [N, M, H] bf16
     float* __restrict__ partials,                         // [gridDim.x, partial_stride] fp32
-    const long long partial_stride, const long long tokens, const int hidden, const float eps) {
+    const long long partial_stride, const long long tokens, const int hidden, const float eps,
+    const float router_scale) {
     constexpr int kSums = 1 + N + N * N;
     __shared__ float scratch[32 * kSums];
     __shared__ float P[N * N * N];
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
         block_sum(sums, scratch);
         const float* Ap = sums + 1;
         const float* G = sums + 1 + N;
-        const RouterScalars<N> route(sums[0], Ap, hidden, eps);
+        const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);
 
         float gm[N];
 #pragma unroll
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
             gm[l] = s;
         }
         float gz[N], alpha[N];
-        const float beta = route.backward(gm, Ap, hidden, gz, alpha);
+        const float beta = route.backward(gm, Ap, router_scale, gz, alpha);
         // constant indices only (a register array indexed by threadIdx would go to local memory)
 #pragma unroll
         for (int e = 0; e < N * N * N; ++e) {

@@ -62,6 +62,7 @@ __device__ __forceinline__ float dot8(const float (&x)[kVec], const float (&y)[k
     return s;
 }
 
+// route(x) = tanh(R (x * rsqrt(mean(x^2) + eps) * w * s)), s the router's input scale.
 // The router weight R [N, H] and the norm weight w [H] as this thread's slice sees them. They are
 // read where they are used (every block reads the same few KB: L1 hits), not held in registers,
 // which the token's rows and the weight-gradient accumulators need.
@@ -72,7 +73,7 @@ struct RouterSlice {
     const unsigned short* norm_weight;
     int hidden;
 
-    // This thread's share of A_n = sum_d R_nd w_d x_d (route's pre-activation before r / H).
+    // This thread's share of A_n = sum_d R_nd w_d x_d (route's pre-activation before r s).
     __device__ __forceinline__ void project(const float (&x)[kVec], float* A) const {
         float w[kVec];
         slice.load_reused(norm_weight, w);
@@ -87,8 +88,8 @@ struct RouterSlice {
         }
     }
 
-    // gx = r * gu - r^3 x <gu, x> / H with gu = (R^T gz) w / H, written as
-    // w (R^T alpha) - beta x, alpha = r gz / H, beta = r^3 <gz, A> / H^2 (<gu, x> = <gz, A> / H).
+    // gx = r * gu - r^3 x <gu, x> / H with gu = (R^T gz) w s, written as
+    // w (R^T alpha) - beta x, alpha = r gz s, beta = r^3 s <gz, A> / H (<gu, x> = s <gz, A>).
     __device__ __forceinline__ void input_grad(const float (&alpha)[N], const float beta,
                                                const float (&x)[kVec], float (&gx)[kVec]) const {
         float s[kVec] = {};
@@ -106,30 +107,33 @@ struct RouterSlice {
     }
 };
 
-// The per-token router scalars from the block sums ss = <x, x> and A: r and m = tanh(r A / H).
+// The per-token router scalars from the block sums ss = <x, x> and A: r = rsqrt(ss / H + eps) and
+// m = tanh(r A s), where s is the router's input scale (transformers' `router_input_scale`:
+// 1 / H in the model's dtype).
 template <int N>
 struct RouterScalars {
     float r;
     float m[N];
-    __device__ __forceinline__ RouterScalars(const float ss, const float* A, const int hidden, const float eps) {
-        const float inv_h = 1.0f / static_cast<float>(hidden);
+    float inv_h;  // 1 / H: multiplied, since a division's slow path would need a stack frame
+    __device__ __forceinline__ RouterScalars(const float ss, const float* A, const int hidden, const float eps,
+                                             const float scale) {
+        inv_h = 1.0f / static_cast<float>(hidden);
         r = rsqrtf(fmaf(ss, inv_h, eps));
 #pragma unroll
-        for (int n = 0; n < N; ++n) m[n] = tanhf(r * A[n] * inv_h);
+        for (int n = 0; n < N; ++n) m[n] = tanhf(r * A[n] * scale);
     }
 
-    // alpha_n = r gz_n / H and beta = r^3 <gz, A> / H^2 for the upstream gradient gm of m.
-    __device__ __forceinline__ float backward(const float (&gm)[N], const float* A, const int hidden,
+    // alpha_n = r gz_n s and beta = r^3 s <gz, A> / H for the upstream gradient gm of m.
+    __device__ __forceinline__ float backward(const float (&gm)[N], const float* A, const float scale,
                                               float (&gz)[N], float (&alpha)[N]) const {
-        const float inv_h = 1.0f / static_cast<float>(hidden);
         float s = 0.0f;
 #pragma unroll
         for (int n = 0; n < N; ++n) {
             gz[n] = gm[n] * (1.0f - m[n] * m[n]);
-            alpha[n] = r * gz[n] * inv_h;
+            alpha[n] = r * gz[n] * scale;
             s = fmaf(gz[n], A[n], s);
         }
-        return r * r * r * s * inv_h * inv_h;
+        return r * r * r * scale * s * inv_h;
     }
 };
 

@@ -4,7 +4,7 @@ In the model the decoder layer reads the active prediction and returns `activate
 and correct are two nodes with the layer's backward between them (docs/GEMMA3N.md). Shapes: streams
 [N, B, S, H], rows [B, S, H]; R = router_weight [N, H], w = norm_weight [H], P [N*N, N], Q [N, N].
 
-    route(x)      = tanh(R @ (x * rsqrt(mean(x^2) + eps) * w / H))
+    route(x)      = tanh(R @ (x * rsqrt(mean(x^2) + eps) * w * s))     s = router_scale, 1 / H
     predict:  m_p = route(h_a);  C[i][j] = (P @ m_p)[N*i + j];  pred_i = h_i + sum_j C[i][j] h_j
     correct:  m_c = route(x);    k = Q @ m_c + 1;               corrected_i = pred_i + k_i (x - pred_a)
     magnitude match (expansion and collapse): for a base row b and projections p_k = s_k @ W_k^T,
@@ -20,6 +20,8 @@ kernels; checked against autograd in tests/test_gemma3n_reference.py):
     grad s_k = gp_k @ W_k,   grad W_k = gp_k^T s_k      (over all tokens)
 
 The router backward and the per-step backwards follow `reference.predict_correct`'s notation.
+The router scale s is transformers' `router_input_scale` buffer: 1 / H, rounded to the model's
+dtype (in bf16, 1/2560 becomes 1.00098 / 2560); None means exactly 1 / H.
 Every function computes in `dtype` (float64: the references; float32: the plain implementation
 the custom operators run on CPU) and returns results in `dtype`.
 """
@@ -30,7 +32,6 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .predict_correct import _route
 
 # transformers hard-codes this floor on the mean square of the expansion and collapse
 # projections (it is not rms_norm_eps).
@@ -72,24 +73,37 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def route_backward(x, grad_modalities, router_weight, norm_weight, eps) -> RouterGrads:
+def _scale(x, router_scale):
+    return 1.0 / x.shape[-1] if router_scale is None else router_scale
+
+
+def route(x, router_weight, norm_weight, eps, router_scale=None):
+    """route(x) and its intermediates: r [.., 1], u = x r, xn = u w s, m [.., N]."""
+    r = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    u = x * r
+    xn = u * norm_weight * _scale(x, router_scale)
+    return r, u, xn, torch.tanh(xn @ router_weight.T)
+
+
+def route_backward(x, grad_modalities, router_weight, norm_weight, eps, router_scale=None) -> RouterGrads:
     """The gradients of <grad_modalities, route(x)> with respect to x, R and w."""
-    hidden = x.shape[-1]
-    r, u, xn, _, m = _route(x, router_weight, norm_weight, eps)
+    hidden, scale = x.shape[-1], _scale(x, router_scale)
+    r, u, xn, m = route(x, router_weight, norm_weight, eps, router_scale)
     gz = grad_modalities * (1.0 - m.square())  # through tanh
     gxn = gz @ router_weight
-    gu = gxn * norm_weight / hidden
+    gu = gxn * norm_weight * scale
     s = (gu * x).sum(dim=-1, keepdim=True)  # the rsqrt's share
     grad_x = r * gu - r.pow(3) * x * s / hidden
     grad_R = _tokens(gz).T @ _tokens(xn)
-    grad_w = _tokens(gxn * u).sum(dim=0) / hidden
+    grad_w = _tokens(gxn * u).sum(dim=0) * scale
     return RouterGrads(grad_x, grad_R, grad_w)
 
 
-def _prediction_matrix(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps):
+def _prediction_matrix(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps,
+                       router_scale):
     """m_p [B, S, N] and C [B, S, N(i), N(j)]."""
     streams = hidden_states.shape[0]
-    *_, m_p = _route(hidden_states[active_idx], router_weight, norm_weight, eps)
+    *_, m_p = route(hidden_states[active_idx], router_weight, norm_weight, eps, router_scale)
     return m_p, (m_p @ prediction_coefs.T).unflatten(-1, (streams, streams))
 
 
@@ -98,24 +112,26 @@ def _cast(dtype, *tensors):
 
 
 def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
-                    active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64) -> torch.Tensor:
+                    active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64,
+                    router_scale: float | None = None) -> torch.Tensor:
     """pred [N, B, S, H] in `dtype`; differentiable."""
     h, P, R, w = _cast(dtype, hidden_states, prediction_coefs, router_weight, norm_weight)
-    _, C = _prediction_matrix(h, P, R, w, active_idx, eps)
+    _, C = _prediction_matrix(h, P, R, w, active_idx, eps, router_scale)
     return h + torch.einsum("bsij,jbsh->ibsh", C, h)
 
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
-                     active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64) -> PredictGrads:
+                     active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64,
+                     router_scale: float | None = None) -> PredictGrads:
     """Step by step: dC_ij = <g_i, h_j>; grad_h_j = g_j + sum_i C_ij g_i (+ the router's share
     at j = a, upstream gm_p = P^T dC); dP[N*i+j, l] = sum_t dC_ij m_p,l."""
     g, h, P, R, w = _cast(dtype, grad_predictions, hidden_states, prediction_coefs,
                           router_weight, norm_weight)
     a = active_idx
-    m_p, C = _prediction_matrix(h, P, R, w, a, eps)
+    m_p, C = _prediction_matrix(h, P, R, w, a, eps, router_scale)
     dC = torch.einsum("ibsh,jbsh->bsij", g, h)
     grad_m_p = dC.flatten(-2) @ P
-    router = route_backward(h[a], grad_m_p, R, w, eps)
+    router = route_backward(h[a], grad_m_p, R, w, eps, router_scale)
     grad_h = g + torch.einsum("bsij,ibsh->jbsh", C, g)
     grad_h[a] = grad_h[a] + router.grad_input
     grad_P = _tokens(dC.flatten(-2)).T @ _tokens(m_p)
@@ -123,10 +139,11 @@ def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_w
 
 
 def correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight,
-                    active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64) -> torch.Tensor:
+                    active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64,
+                    router_scale: float | None = None) -> torch.Tensor:
     """corrected [N, B, S, H] in `dtype`; differentiable."""
     pred, x, Q, R, w = _cast(dtype, predictions, activated, correction_coefs, router_weight, norm_weight)
-    *_, m_c = _route(x, R, w, eps)
+    *_, m_c = route(x, R, w, eps, router_scale)
     k = m_c @ Q.T + 1.0  # [B, S, N]
     innovation = x - pred[active_idx]
     return pred + k.permute(2, 0, 1).unsqueeze(-1) * innovation
@@ -134,18 +151,18 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight,
                      norm_weight, active_idx: int = 0, eps: float = 1e-6,
-                     dtype=torch.float64) -> CorrectGrads:
+                     dtype=torch.float64, router_scale: float | None = None) -> CorrectGrads:
     """Step by step: gd = sum_i k_i g_i; gk_i = <g_i, x - pred_a>; grad_pred_i = g_i - [i==a] gd;
     grad_x = gd + the router's share (upstream Q^T gk); dQ = sum_t gk m_c^T."""
     g, pred, x, Q, R, w = _cast(dtype, grad_corrected, predictions, activated, correction_coefs,
                                 router_weight, norm_weight)
     a = active_idx
-    *_, m_c = _route(x, R, w, eps)
+    *_, m_c = route(x, R, w, eps, router_scale)
     k = m_c @ Q.T + 1.0
     innovation = x - pred[a]
     gd = torch.einsum("bsi,ibsh->bsh", k, g)
     gk = torch.einsum("ibsh,bsh->bsi", g, innovation)
-    router = route_backward(x, gk @ Q, R, w, eps)
+    router = route_backward(x, gk @ Q, R, w, eps, router_scale)
     grad_pred = g.clone()
     grad_pred[a] = grad_pred[a] - gd
     grad_Q = _tokens(gk).T @ _tokens(m_c)
