@@ -9,9 +9,10 @@ As Liger-Kernel does, `patch()` replaces methods on transformers' classes and `p
 replacements on the modules of one instance:
 - `Gemma3nTextAltUp.predict` / `.correct` of every decoder layer -> `altup_cupy.torch.predict` /
   `.correct`, with transformers' semantics: N = config.altup_num_inputs, a = config.altup_active_idx,
-  eps = the router norm's eps, the router scale of the `router_input_scale` buffer, and in training mode the coefficient clipping of
-  `config.altup_coef_clip` (the prediction weights clamped in place, the correction weights clamped
-  out of place, so their gradient is masked where the clamp is active).
+  eps = the router norm's eps, the router scale of the `router_input_scale` buffer, and in training
+  mode the coefficient clipping of `config.altup_coef_clip` (the prediction weights clamped in
+  place, the correction weights clamped out of place, so their gradient is masked where the clamp
+  is active).
 - the expansion and collapse that `Gemma3nTextModel.forward` writes inline -> `altup_cupy.torch.expand`
   / `.collapse`: the installed forward's source with those two blocks replaced by the calls (found by
   their text; where the installed version writes them differently, they stay transformers' own and a

@@ -182,7 +182,8 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
             _row_threads(hidden),
             (_ptr(grad_corrected), _ptr(predictions), _ptr(activated), _ptr(correction_coefs),
              _ptr(router_weight), _ptr(norm_weight), _ptr(grad_pred), _ptr(grad_x), _ptr(partials),
-             numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
+             numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps),
+             numpy.float32(router_scale)))
     sums = _column_sum(partials, columns)
     S = sums[: streams * hidden].view(streams, hidden)
     grad_R, grad_w = _router_grads(S, router_weight, norm_weight, router_scale)

@@ -128,7 +128,8 @@ def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_
         if hidden_states[0].numel() == 0:
             return torch.empty_like(hidden_states)
         return cuda.predict_forward(*args, active_idx, eps, router_scale)
-    return ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale).to(hidden_states.dtype)
+    pred = ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
+    return pred.to(hidden_states.dtype)
 
 
 @predict.register_fake
@@ -347,7 +348,8 @@ if not hasattr(torch.ops.altup_cupy, "collapse"):
                 y = torch.mm(hidden_states[k].reshape(-1, w.shape[0]), w.T, out_dtype=torch.float32).view_as(s0)
                 total += y * (target / y.square().mean(-1, keepdim=True).clamp_min(eps).sqrt())
             return (total / hidden_states.shape[0]).to(hidden_states.dtype)
-        return collapse_reference(hidden_states, unembed_projs, eps, _compute_dtype(hidden_states)).to(hidden_states.dtype)
+        out = collapse_reference(hidden_states, unembed_projs, eps, _compute_dtype(hidden_states))
+        return out.to(hidden_states.dtype)
 
     @_collapse_stand_in.register_fake
     def _(hidden_states, unembed_projs, eps, version=None):

@@ -60,12 +60,16 @@ class AltUpStack(torch.nn.Module):
         config = tiny_text_config(streams=STREAMS, hidden=hidden)
         self.ours = ours
         self.altups = torch.nn.ModuleList(modeling.Gemma3nTextAltUp(config) for _ in range(layers))
-        self.expand_proj = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(STREAMS - 1))
-        self.collapse_proj = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(STREAMS - 1))
+        self.expand_proj = self._projections(hidden)
+        self.collapse_proj = self._projections(hidden)
         with torch.no_grad():
             for module in self.altups:
                 module.prediction_coefs.weight.normal_(0.0, 0.5)
                 module.correction_coefs.weight.normal_(0.0, 0.5)
+
+    @staticmethod
+    def _projections(hidden):
+        return torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(STREAMS - 1))
 
     def forward(self, embeddings):
         expand_w = [p.weight for p in self.expand_proj]

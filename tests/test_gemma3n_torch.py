@@ -132,3 +132,16 @@ def test_inputs_not_mutated(seeds):
     altup.correct(pred, x.activated, x.correction_coefs, x.router_weight, x.norm_weight, 2)
     for b, a in zip(before, (x.hidden_states, x.activated, x.router_weight)):
         assert torch.equal(a, b)
+
+
+def test_cuda_input_checks_name_the_argument():
+    """What the CUDA implementations refuse, checked on CPU tensors (the checks read only metadata)."""
+    good = torch.zeros(4, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="hidden_states must be bfloat16 on CUDA, got torch.float32"):
+        gemma3n_ops._check_cuda([("hidden_states", good.float())], 4, 64)
+    with pytest.raises(ValueError, match="router_weight must be contiguous"):
+        gemma3n_ops._check_cuda([("hidden_states", good), ("router_weight", good[0, 0].T)], 4, 64)
+    with pytest.raises(ValueError, match="norm_weight must be 16-byte aligned"):
+        gemma3n_ops._check_cuda([("hidden_states", good), ("norm_weight", good.flatten()[1:65])], 4, 64)
+    with pytest.raises(ValueError, match="do not take N = 5 streams"):
+        gemma3n_ops._check_cuda([("hidden_states", good)], 5, 64)

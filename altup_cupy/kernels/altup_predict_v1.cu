@@ -147,7 +147,10 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
             for (int n = 0; n < N; ++n) {
                 const float scale = route.r * gz[n];
 #pragma unroll
-                for (int e = 0; e < kVec; ++e) S[n * hidden + slice.d0 + e] = fmaf(scale, h[A][e], S[n * hidden + slice.d0 + e]);
+                for (int e = 0; e < kVec; ++e) {
+                    float& s = S[n * hidden + slice.d0 + e];
+                    s = fmaf(scale, h[A][e], s);
+                }
             }
         }
     }

@@ -139,6 +139,8 @@ struct RouterScalars {
 
 // Loads a small bf16 matrix (the coefficient weights, <= 64 entries) into shared memory as fp32.
 __device__ __forceinline__ void load_small_matrix(const unsigned short* src, float* dst, const int count) {
-    for (int i = threadIdx.x; i < count; i += blockDim.x) dst[i] = __uint_as_float(static_cast<unsigned int>(src[i]) << 16);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        dst[i] = __uint_as_float(static_cast<unsigned int>(src[i]) << 16);
+    }
     __syncthreads();
 }
