@@ -22,9 +22,9 @@ STREAMS = (2, 3, 4)
 # One block per token holds a row in H / 8 threads (kernels/altup_rows.cuh: kRowThreadsMax).
 ROW_THREADS_MAX = 384
 MAX_HIDDEN = 8 * ROW_THREADS_MAX
-# Blocks of the backward kernels per SM: enough tokens in flight to cover the memory latency,
-# few enough that the partials stay small.
-BACKWARD_BLOCKS_PER_SM = 4
+# Blocks of the backward kernels per SM (one is resident at N = 4: ~150 registers a thread); a
+# second wave evens out the tokens per SM while the partials stay small.
+BACKWARD_BLOCKS_PER_SM = 2
 
 
 @dataclass
@@ -113,8 +113,8 @@ def _partials(like: torch.Tensor, blocks: int, columns: int) -> tuple[torch.Tens
 
 def _column_sum(partials: torch.Tensor, columns: int) -> torch.Tensor:
     out = torch.empty(columns, dtype=torch.float32, device=partials.device)
-    threads = 256
-    _launch(COLUMN_SUM_SOURCE, "altup_column_sum_v1", partials, (columns + threads - 1) // threads, threads,
+    # 32 columns a block, 32 chains of rows each (kernels/altup_column_sum_v1.cu)
+    _launch(COLUMN_SUM_SOURCE, "altup_column_sum_v1", partials, (columns + 31) // 32, 1024,
             (_ptr(partials), numpy.int32(partials.shape[0]), numpy.int64(partials.shape[1]),
              numpy.int64(columns), _ptr(out)))
     return out
