@@ -112,7 +112,7 @@ def test_named_errors(seeds):
         altup.predict(x.hidden_states, x.correction_coefs, x.router_weight, x.norm_weight, 0)
     with pytest.raises(ValueError, match="active_idx must satisfy"):
         altup.correct(x.hidden_states, x.activated, x.correction_coefs, x.router_weight, x.norm_weight, 3)
-    with pytest.raises(ValueError, match="projections must hold N-1 = 2"):
+    with pytest.raises(ValueError, match="must hold N-1 = 2"):
         altup.collapse(x.hidden_states, list(x.projections[:1]))
     with pytest.raises(ValueError, match="activated must have shape"):
         altup.correct(x.hidden_states, x.activated[:, :1], x.correction_coefs, x.router_weight, x.norm_weight, 0)
