@@ -156,3 +156,20 @@ def test_expand_and_collapse_match_transformers_model(seeds, streams):
     with torch.no_grad():
         _close(ref.expand_forward(embeddings, expand_W), seen["expanded"], "expanded")
         _close(ref.collapse_forward(seen["last"], collapse_W), seen["collapsed"], "collapsed")
+
+
+@pytest.mark.parametrize("router_scale", ROUTER_SCALES)
+@pytest.mark.parametrize("streams,active", CASES)
+def test_kernel_arithmetic_equals_the_step_by_step_backwards(seeds, streams, active, router_scale):
+    """The one-reduction form the kernels compute is the same function."""
+    x = random_altup_inputs(seeds(), streams)
+    kw = dict(active_idx=active, eps=EPS, router_scale=router_scale)
+    predict_args = (x.grad_streams, x.hidden_states, x.prediction_coefs, x.router_weight, x.norm_weight)
+    for name, g, e in zip(ref.PredictGrads._fields, ref.predict_backward_one_reduction(*predict_args, **kw),
+                          ref.predict_backward(*predict_args, **kw)):
+        _close(g, e, f"predict {name}")
+    correct_args = (x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, x.router_weight,
+                    x.norm_weight)
+    for name, g, e in zip(ref.CorrectGrads._fields, ref.correct_backward_one_reduction(*correct_args, **kw),
+                          ref.correct_backward(*correct_args, **kw)):
+        _close(g, e, f"correct {name}")

@@ -238,3 +238,69 @@ def collapse_backward(grad_output, streams, projections, floor: float = MAGNITUD
     grad_s = torch.stack([g + matched.grad_base] + [gp @ Uk for gp, Uk in zip(matched.grad_projected, U)])
     grad_U = torch.stack([_tokens(gp).T @ _tokens(sk) for gp, sk in zip(matched.grad_projected, s[1:])])
     return ProjectionGrads(grad_s, grad_U)
+
+
+# ---- the backwards as the kernels compute them ------------------------------------------------------
+# One block reduction per token gives every dot product a step needs; the rest is per-token
+# scalars and fixed linear maps of the rows (kernels/altup_predict_v1.cu, altup_correct_v1.cu and
+# altup_rows.cuh follow these lines). Tested equal to the step-by-step backwards above.
+
+def _router_scalars(ss, A, hidden, eps, scale):
+    """r [.., 1] and m = tanh(r A s) [.., N] from ss = <x, x> and A_n = sum_d R_nd w_d x_d."""
+    r = torch.rsqrt(ss / hidden + eps).unsqueeze(-1)
+    return r, torch.tanh(r * A * scale)
+
+
+def _router_backward_scalars(r, m, A, grad_m, hidden, scale):
+    """gz, alpha = r gz s and beta = r^3 s <gz, A> / H (gx = w (R^T alpha) - beta x)."""
+    gz = grad_m * (1.0 - m.square())
+    return gz, r * gz * scale, r.pow(3) * scale * (gz * A).sum(-1, keepdim=True) / hidden
+
+
+def predict_backward_one_reduction(grad_predictions, hidden_states, prediction_coefs, router_weight,
+                                   norm_weight, active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64,
+                                   router_scale: float | None = None) -> PredictGrads:
+    g, h, P, R, w = _cast(dtype, grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight)
+    streams, hidden, a = h.shape[0], h.shape[-1], active_idx
+    scale = _scale(h, router_scale)
+    eye = torch.eye(streams, dtype=dtype)
+    # the one reduction: <h_a, h_a>, A_n, G_ij = <g_i, h_j>
+    ss, A = h[a].square().sum(-1), (h[a] * w) @ R.T
+    G = torch.einsum("ibsh,jbsh->bsij", g, h)
+    # per-token scalars
+    r, m = _router_scalars(ss, A, hidden, eps, scale)
+    C = (m @ P.T).unflatten(-1, (streams, streams))
+    gz, alpha, beta = _router_backward_scalars(r, m, A, G.flatten(-2) @ P, hidden, scale)
+    # rows: grad_h_j = sum_i (delta_ij + C_ij) g_i, plus w (R^T alpha) - beta h_a at j = a
+    grad_h = torch.einsum("bsij,ibsh->jbsh", eye + C, g)
+    grad_h[a] = grad_h[a] + w * (alpha @ R) - beta * h[a]
+    # weight gradients: S = sum_t r gz h_a^T; dR = s w S, dw = s sum_n R_n S_n
+    S = _tokens(r * gz).T @ _tokens(h[a])
+    grad_P = _tokens(G.flatten(-2)).T @ _tokens(m)
+    return PredictGrads(grad_h, grad_P, scale * w * S, scale * (R * S).sum(0))
+
+
+def correct_backward_one_reduction(grad_corrected, predictions, activated, correction_coefs, router_weight,
+                                   norm_weight, active_idx: int = 0, eps: float = 1e-6, dtype=torch.float64,
+                                   router_scale: float | None = None) -> CorrectGrads:
+    g, pred, x, Q, R, w = _cast(dtype, grad_corrected, predictions, activated, correction_coefs, router_weight,
+                                norm_weight)
+    hidden, a = x.shape[-1], active_idx
+    scale = _scale(x, router_scale)
+    # the one reduction: <x, x>, A_n, <g_i, x>, <g_i, pred_a>
+    ss, A = x.square().sum(-1), (x * w) @ R.T
+    gx_dot, gp_dot = torch.einsum("ibsh,bsh->bsi", g, x), torch.einsum("ibsh,bsh->bsi", g, pred[a])
+    # per-token scalars
+    r, m = _router_scalars(ss, A, hidden, eps, scale)
+    k = m @ Q.T + 1.0
+    gk = gx_dot - gp_dot
+    gz, alpha, beta = _router_backward_scalars(r, m, A, gk @ Q, hidden, scale)
+    # rows
+    gd = torch.einsum("bsi,ibsh->bsh", k, g)
+    grad_pred = g.clone()
+    grad_pred[a] = grad_pred[a] - gd
+    grad_x = gd + w * (alpha @ R) - beta * x
+    # weight gradients
+    S = _tokens(r * gz).T @ _tokens(x)
+    grad_Q = _tokens(gk).T @ _tokens(m)
+    return CorrectGrads(grad_pred, grad_x, grad_Q, scale * w * S, scale * (R * S).sum(0))
