@@ -40,6 +40,12 @@ NONRESIDENT_SLICES = (2, 4)
 # v3 instantiations: (slices per thread, min blocks per SM), and the launch bounds of each
 # occupancy: two blocks per SM (H <= 2560), one block.
 V3_VARIANTS = ((1, 2), (1, 1), (2, 1))
+
+
+def v3_variants(streams: int) -> tuple[tuple[int, int], ...]:
+    """The v3 variants built for N = `streams`: at N = 4 the one-slice one-block variant (512
+    threads, so 128 registers a thread) spills on sm_80-sm_89, so H > 2560 takes two slices."""
+    return tuple(v for v in V3_VARIANTS if not (streams == 4 and v == (1, 1)))
 V3_TWO_BLOCK_THREADS = 320
 V3_ONE_BLOCK_THREADS = 512
 # v4: one slice per compute thread plus the scalar warp (H <= 2560), at most V4_MAX_STAGES ring
@@ -124,7 +130,7 @@ PREDICT_CORRECT_BACKWARD_V2 = KernelSource(
 PREDICT_CORRECT_BACKWARD_V3 = KernelSource(
     "predict_correct_backward_v3.cu",
     tuple(f"predict_correct_backward_v3<{n}, {a}, {slices}, {blocks}>"
-          for n in SUPPORTED_STREAMS for a in range(n) for slices, blocks in V3_VARIANTS),
+          for n in SUPPORTED_STREAMS for a in range(n) for slices, blocks in v3_variants(n)),
     min_arch=80,
     defines={"V3_TWO_BLOCK_THREADS": V3_TWO_BLOCK_THREADS, "V3_ONE_BLOCK_THREADS": V3_ONE_BLOCK_THREADS,
              **_PARTIALS},
@@ -139,6 +145,32 @@ PREDICT_CORRECT_BACKWARD_V4 = KernelSource(
              "V4_STATIC_SHARED_BOUND": V4_STATIC_SHARED_BOUND, **_PARTIALS},
 )
 
+# ---- Gemma 3n's AltUp steps (altup_cupy.torch, altup_cupy.gemma3n) ----------------------------
+
+# One block per token holds a row in H / 8 threads: H <= 8 * ROW_THREADS_MAX (3072; Gemma 3n has
+# 2048 and 2560), and the launch bounds leave room for N = 4's registers.
+ROW_THREADS_MAX = 384
+_ROWS = {"ROW_THREADS_MAX": ROW_THREADS_MAX}
+
+
+def _per_active(kernel: str) -> tuple[str, ...]:
+    return tuple(f"{kernel}<{n}, {a}>" for n in SUPPORTED_STREAMS for a in range(n))
+
+
+ALTUP_PREDICT_V1 = KernelSource(
+    "altup_predict_v1.cu", _per_active("altup_predict_forward_v1") + _per_active("altup_predict_backward_v1"),
+    min_arch=80, defines=_ROWS)
+ALTUP_CORRECT_V1 = KernelSource(
+    "altup_correct_v1.cu", _per_active("altup_correct_forward_v1") + _per_active("altup_correct_backward_v1"),
+    min_arch=80, defines=_ROWS)
+ALTUP_MAGNITUDE_MATCH_V1 = KernelSource(
+    "altup_magnitude_match_v1.cu",
+    tuple(f"altup_expand_forward_v1<{n}>" for n in SUPPORTED_STREAMS)
+    + tuple(f"altup_magnitude_match_backward_v1<{n}, {t}>" for n in SUPPORTED_STREAMS
+            for t in ("float", "unsigned short")),
+    min_arch=80, defines=_ROWS)
+ALTUP_COLUMN_SUM_V1 = KernelSource("altup_column_sum_v1.cu", ("altup_column_sum_v1",), min_arch=80)
+
 ALL_SOURCES = (
     COLLAPSE_V1,
     COLLAPSE_V2,
@@ -147,4 +179,8 @@ ALL_SOURCES = (
     PREDICT_CORRECT_BACKWARD_V2,
     PREDICT_CORRECT_BACKWARD_V3,
     PREDICT_CORRECT_BACKWARD_V4,
+    ALTUP_PREDICT_V1,
+    ALTUP_CORRECT_V1,
+    ALTUP_MAGNITUDE_MATCH_V1,
+    ALTUP_COLUMN_SUM_V1,
 )

@@ -42,11 +42,19 @@ def _raises(exc, *fragments, call):
 # ---- dtype ----------------------------------------------------------------------------------
 
 
+# The kernels take bf16 only; meta tensors follow the kernels' rule (the CPU reference also takes
+# float32 and float64, for autograd checks).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 def test_hidden_states_wrong_dtype(dtype):
-    hs, ws = _inputs()
+    hs, ws = (t.to("meta") for t in _inputs())
     _raises(TypeError, "hidden_states", "bfloat16", str(dtype).removeprefix("torch."),
             call=lambda: collapse(hs.to(dtype), ws))
+
+
+def test_cpu_refuses_float16_and_mixed_dtypes():
+    hs, ws = _inputs()
+    _raises(TypeError, "hidden_states", "bfloat16", "float16", call=lambda: collapse(hs.half(), ws))
+    _raises(TypeError, "unembed_projs", "float32", "bfloat16", call=lambda: collapse(hs.float(), ws))
 
 
 def test_stacked_weights_wrong_dtype():

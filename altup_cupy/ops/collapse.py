@@ -21,14 +21,17 @@ from . import _registry
 from .collapse_versions import PREFERENCE, VERSIONS
 
 BF16 = torch.bfloat16
+CPU_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 
 def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor], eps: Any,
              launching: bool = False):
     """Named errors for anything the kernels cannot take; returns (N, B, S, H, device, eps).
     launching: the tensors are about to be read by the kernels (real CUDA memory), so their
-    addresses are checked too."""
-    _arrays.check_tensor("hidden_states", hidden_states, BF16, (None, None, None, None), "N B S H")
+    addresses are checked too. The kernels take bf16; the CPU reference also float32 and float64
+    (autograd checks in float64 run through it)."""
+    dtype = hidden_states.dtype if hidden_states.device.type == "cpu" and hidden_states.dtype in CPU_DTYPES else BF16
+    _arrays.check_tensor("hidden_states", hidden_states, dtype, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = hidden_states.shape
     if streams not in SUPPORTED_STREAMS:
         raise ValueError(f"hidden_states must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
@@ -36,7 +39,7 @@ def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
         raise ValueError(f"hidden size H (hidden_states dim 3) must be divisible by 8, got {hidden}")
     named = [("hidden_states", hidden_states)]
     if len(unembed_projs) == 1 and unembed_projs[0].dim() == 3:
-        _arrays.check_tensor("unembed_projs", unembed_projs[0], BF16, (streams - 1, hidden, hidden),
+        _arrays.check_tensor("unembed_projs", unembed_projs[0], dtype, (streams - 1, hidden, hidden),
                              "N-1 H H")
         named.append(("unembed_projs", unembed_projs[0]))
     else:
@@ -44,7 +47,7 @@ def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
             raise ValueError(f"unembed_projs must hold N-1 = {streams - 1} matrices for N = {streams} "
                              f"streams, got {len(unembed_projs)}")
         for i, w in enumerate(unembed_projs):
-            _arrays.check_tensor(f"unembed_projs[{i}]", w, BF16, (hidden, hidden), "H H")
+            _arrays.check_tensor(f"unembed_projs[{i}]", w, dtype, (hidden, hidden), "H H")
             named.append((f"unembed_projs[{i}]", w))
     eps = _arrays.positive_finite("eps", eps)
     device = _arrays.check_devices(named)
@@ -85,7 +88,8 @@ def _collapse_cpu(hidden_states, unembed_projs, eps, version=None):
     validate(hidden_states, unembed_projs, eps)
     _registry.check_number(VERSIONS, version)
     weights = unembed_projs[0] if len(unembed_projs) == 1 and unembed_projs[0].dim() == 3 else unembed_projs
-    return collapse_reference(hidden_states, weights, eps, torch.float32).to(BF16)
+    compute = torch.float32 if hidden_states.dtype == BF16 else hidden_states.dtype
+    return collapse_reference(hidden_states, weights, eps, compute).to(hidden_states.dtype)
 
 
 @collapse_op.register_fake

@@ -194,11 +194,11 @@ def _v2_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -
 # ---- v3 -----------------------------------------------------------------------------------------
 
 
-def v3_launch_shape(hidden: int) -> tuple[int, int, int]:
+def v3_launch_shape(streams: int, hidden: int) -> tuple[int, int, int]:
     """(slices per thread, min blocks per SM, threads per block) of v3: two blocks per SM while
     one slice per thread covers H in the two-block launch bound, then one, then two slices."""
     slices = hidden // 8
-    for per_thread, min_blocks in S.V3_VARIANTS:
+    for per_thread, min_blocks in S.v3_variants(streams):
         threads = _round_up(_ceil_div(slices, per_thread), 32)
         if threads <= (S.V3_TWO_BLOCK_THREADS if min_blocks == 2 else S.V3_ONE_BLOCK_THREADS):
             return per_thread, min_blocks, threads
@@ -211,7 +211,7 @@ def v3_shared_bytes(streams: int, per_thread: int, threads: int) -> int:
 
 
 def _v3_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> FusedPlan:
-    per_thread, min_blocks, threads = v3_launch_shape(hidden)
+    per_thread, min_blocks, threads = v3_launch_shape(streams, hidden)
     kernel = S.PREDICT_CORRECT_BACKWARD_V3.kernel(
         f"predict_correct_backward_v3<{streams}, {active}, {per_thread}, {min_blocks}>")
     shared = v3_shared_bytes(streams, per_thread, threads)

@@ -1,0 +1,210 @@
+"""A drop-in for transformers' Gemma 3n: AltUp predict/correct, expansion and collapse on altup_cupy.
+
+    import altup_cupy.gemma3n
+    altup_cupy.gemma3n.patch()          # every Gemma 3n text model, present and future
+    altup_cupy.gemma3n.patch(model)     # or only this instance
+    altup_cupy.gemma3n.unpatch()        # (or unpatch(model)) restores transformers' own code
+
+As Liger-Kernel does, `patch()` replaces methods on transformers' classes and `patch(model)` binds
+replacements on the modules of one instance:
+- `Gemma3nTextAltUp.predict` / `.correct` of every decoder layer -> `altup_cupy.torch.predict` /
+  `.correct`, with transformers' semantics: N = config.altup_num_inputs, a = config.altup_active_idx,
+  eps = the router norm's eps, the router scale of the `router_input_scale` buffer, and in training
+  mode the coefficient clipping of `config.altup_coef_clip` (the prediction weights clamped in
+  place, the correction weights clamped out of place, so their gradient is masked where the clamp
+  is active).
+- the expansion and collapse that `Gemma3nTextModel.forward` writes inline -> `altup_cupy.torch.expand`
+  / `.collapse`: the installed forward's source with those two blocks replaced by the calls (found by
+  their text; where the installed version writes them differently, they stay transformers' own and a
+  warning says so). Everything else in the forward is the installed code.
+
+Where the kernels do not serve a call (not CUDA, not bfloat16, N outside 2..4, H % 8 != 0 or
+H > 3072), the call warns once and runs transformers' own code: never a wrong answer.
+`patch(serve_cpu=True)` sends CPU tensors of any float dtype through the operators' float32 CPU
+reference instead (for testing the integration without a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import textwrap
+import warnings
+from types import MethodType
+
+import torch
+
+from . import gemma3n_ops
+from . import torch as altup
+
+_MODELING = "transformers.models.gemma3n.modeling_gemma3n"
+_PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextModel": ("forward",)}
+_originals: dict[tuple[type, str], object] = {}  # (class, attribute) -> transformers' function
+_settings = {"serve_cpu": False}
+
+
+def _modeling():
+    try:
+        return importlib.import_module(_MODELING)
+    except ImportError as error:
+        raise ImportError("altup_cupy.gemma3n needs transformers with Gemma 3n (transformers >= 4.53)") from error
+
+
+def _original(cls: type, name: str):
+    """transformers' own function, whether or not the class is patched now."""
+    return _originals.get((cls, name), cls.__dict__[name])
+
+
+def _unserved(what: str, tensors, streams: int, hidden: int) -> str | None:
+    """Why the kernels cannot take this call (warned once per reason), or None."""
+    first = tensors[0]
+    if first.device.type == "cpu" and _settings["serve_cpu"]:
+        return None
+    if first.device.type != "cuda":
+        reason = f"tensors on {first.device.type} (the kernels run on CUDA)"
+    elif any(t.dtype != torch.bfloat16 for t in tensors):
+        reason = f"dtype {sorted({str(t.dtype) for t in tensors})} (the kernels take bfloat16)"
+    else:
+        reason = gemma3n_ops.cuda_serves(streams, hidden)
+    if reason is not None:
+        warnings.warn(f"altup_cupy.gemma3n: {what} runs transformers' own code for {reason}", stacklevel=3)
+    return reason
+
+
+def _coefficients(module, weight: torch.Tensor) -> torch.Tensor:
+    clip = module.config.altup_coef_clip
+    return weight.clamp(-clip, clip) if module.training and clip is not None else weight
+
+
+_router_scales: dict[tuple[int, torch.dtype], float] = {}
+
+
+def _router_scale(module) -> float:
+    """The value of the module's `router_input_scale` buffer (1 / H made in fp32, then converted to
+    the buffer's dtype), computed on the host once per (H, dtype): reading the buffer itself would
+    synchronise with the GPU on every call."""
+    key = (module.config.hidden_size, module.router_input_scale.dtype)
+    if key not in _router_scales:
+        _router_scales[key] = torch.tensor(key[0] ** -1.0, dtype=torch.float32).to(key[1]).item()
+    return _router_scales[key]
+
+
+def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    weights = (self.prediction_coefs.weight, self.modality_router.weight, self.router_norm.weight)
+    if _unserved("AltUp predict", (hidden_states, *weights), self.config.altup_num_inputs, hidden_states.shape[-1]):
+        return _original(type(self), "predict")(self, hidden_states)
+    if self.training and self.config.altup_coef_clip is not None:  # in place, as transformers does
+        clip = self.config.altup_coef_clip
+        self.prediction_coefs.weight.data.clamp_(-clip, clip)
+    return altup.predict(hidden_states.contiguous(), *weights, self.config.altup_active_idx, self.router_norm.eps,
+                         _router_scale(self))
+
+
+def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
+    weights = (self.correction_coefs.weight, self.modality_router.weight, self.router_norm.weight)
+    if _unserved("AltUp correct", (predictions, activated, *weights), self.config.altup_num_inputs,
+                 activated.shape[-1]):
+        return _original(type(self), "correct")(self, predictions, activated)
+    return altup.correct(predictions.contiguous(), activated.contiguous(), _coefficients(self, weights[0]),
+                         *weights[1:], self.config.altup_active_idx, self.router_norm.eps, _router_scale(self))
+
+
+# ---- the text model's forward with the expansion and collapse blocks replaced ---------------------
+
+_EXPANSION = re.compile(
+    r"^(?P<indent>[ \t]*)target_magnitude = torch\.mean\(hidden_states_0\s*\*\*\s*2.*?"
+    r"^[ \t]*hidden_states = torch\.stack\(temp_hidden_states, dim=0\)[^\n]*$", re.S | re.M)
+_COLLAPSE = re.compile(
+    r"^(?P<indent>[ \t]*)target_magnitude = torch\.mean\(hidden_states\[0\]\s*\*\*\s*2.*?"
+    r"^[ \t]*hidden_states = torch\.mean\(hidden_states, dim=0\)[^\n]*$", re.S | re.M)
+
+
+def _expand(model, embeddings: torch.Tensor) -> torch.Tensor:
+    return altup.expand(embeddings.contiguous(), [p.weight for p in model.altup_projections])
+
+
+def _collapse(model, hidden_states: torch.Tensor) -> torch.Tensor:
+    return altup.collapse(hidden_states.contiguous(), [p.weight for p in model.altup_unembed_projections])
+
+
+def _rewritten_forward(modeling, original):
+    """The installed forward with its two blocks replaced, or None (with a warning) if not found."""
+    source = textwrap.dedent(inspect.getsource(original))
+    # auto_docstring only writes documentation, and needs the class being defined: dropped.
+    rewritten = re.sub(r"^@auto_docstring[^\n]*\n", "", source, flags=re.M)
+    for pattern, call in ((_EXPANSION, "hidden_states = _altup_cupy_expand(self, hidden_states_0)"),
+                          (_COLLAPSE, "hidden_states = _altup_cupy_collapse(self, hidden_states)")):
+        matches = list(pattern.finditer(rewritten))
+        if len(matches) != 1:
+            warnings.warn("altup_cupy.gemma3n: this transformers' Gemma3nTextModel.forward does not write the "
+                          "AltUp expansion/collapse as expected; they stay transformers' own", stacklevel=3)
+            return None
+        rewritten = pattern.sub(lambda m: m.group("indent") + call, rewritten)
+    namespace = dict(vars(modeling), _altup_cupy_expand=_expand, _altup_cupy_collapse=_collapse)
+    exec(compile(rewritten, f"<altup_cupy.gemma3n: {modeling.__name__}.Gemma3nTextModel.forward>", "exec"), namespace)
+    return namespace[original.__name__]
+
+
+def _model_forward(modeling):
+    original = _original(modeling.Gemma3nTextModel, "forward")
+    rewritten = _rewritten_forward(modeling, original)
+    if rewritten is None:
+        return None
+
+    def forward(self, *args, **kwargs):
+        probe = [self.altup_projections[0].weight, self.altup_unembed_projections[0].weight]
+        if isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
+            probe.append(kwargs["inputs_embeds"])
+        if _unserved("AltUp expansion/collapse", probe, self.config.altup_num_inputs, self.config.hidden_size):
+            return original(self, *args, **kwargs)
+        return rewritten(self, *args, **kwargs)
+
+    forward.__doc__, forward.__wrapped__ = original.__doc__, original
+    return forward
+
+
+def _replacements(modeling) -> dict[tuple[type, str], object]:
+    replacements = {(modeling.Gemma3nTextAltUp, "predict"): _predict,
+                    (modeling.Gemma3nTextAltUp, "correct"): _correct}
+    forward = _model_forward(modeling)
+    if forward is not None:
+        replacements[(modeling.Gemma3nTextModel, "forward")] = forward
+    return replacements
+
+
+def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False) -> None:
+    """Route Gemma 3n's AltUp through altup_cupy: every model (model None) or this one instance."""
+    modeling = _modeling()
+    _settings["serve_cpu"] = serve_cpu
+    replacements = _replacements(modeling)
+    if model is None:
+        for (cls, name), function in replacements.items():
+            _originals.setdefault((cls, name), cls.__dict__[name])
+            setattr(cls, name, function)
+        return
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a Gemma 3n model), got {type(model).__name__}")
+    found = False
+    for module in model.modules():
+        for (cls, name), function in replacements.items():
+            if isinstance(module, cls):
+                setattr(module, name, MethodType(function, module))
+                found = True
+    if not found:
+        raise ValueError(f"model has no Gemma3nTextAltUp or Gemma3nTextModel module: {type(model).__name__}")
+
+
+def unpatch(model: torch.nn.Module | None = None) -> None:
+    """Restore transformers' own code: on the classes (model None) or on this instance."""
+    modeling = _modeling()
+    if model is None:
+        for (cls, name), function in list(_originals.items()):
+            setattr(cls, name, function)
+            del _originals[(cls, name)]
+        return
+    for module in model.modules():
+        for class_name, names in _PATCHED_ATTRIBUTES.items():
+            if isinstance(module, getattr(modeling, class_name)):
+                for name in names:
+                    module.__dict__.pop(name, None)

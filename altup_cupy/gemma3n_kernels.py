@@ -1,0 +1,221 @@
+"""The CUDA side of Gemma 3n's AltUp steps: kernel sources and launchers on torch CUDA tensors.
+
+Each launcher takes bf16 CUDA tensors already validated by `gemma3n_ops` (contiguous, 16-byte
+aligned rows, H % 8 == 0, 2 <= N <= 4) and runs on torch's current stream of the tensors'
+device. The projection GEMMs of the expansion and collapse run in cuBLAS through torch
+(`torch.mm(..., out_dtype=torch.float32)`: bf16 inputs, fp32 accumulation and output, so the
+projections are never rounded before the epilogue). Weight gradients are written per block and
+summed in a fixed order by `altup_column_sum_v1`: every result is bitwise deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy
+import torch
+
+from . import _sources
+
+STREAMS = _sources.SUPPORTED_STREAMS
+MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in H / 8 threads
+# Blocks of the backward kernels per SM (one is resident at N = 4: ~150 registers a thread); a
+# second wave evens out the tokens per SM while the partials stay small.
+BACKWARD_BLOCKS_PER_SM = 2
+PREDICT_SOURCE = _sources.ALTUP_PREDICT_V1
+CORRECT_SOURCE = _sources.ALTUP_CORRECT_V1
+MAGNITUDE_MATCH_SOURCE = _sources.ALTUP_MAGNITUDE_MATCH_V1
+COLUMN_SUM_SOURCE = _sources.ALTUP_COLUMN_SUM_V1
+
+
+class PredictGradients(NamedTuple):
+    grad_hidden_states: torch.Tensor  # bf16 [N, B, S, H]
+    grad_prediction_coefs: torch.Tensor  # fp32 [N*N, N]
+    grad_router_weight: torch.Tensor  # fp32 [N, H]
+    grad_norm_weight: torch.Tensor  # fp32 [H]
+
+
+class CorrectGradients(NamedTuple):
+    grad_predictions: torch.Tensor  # bf16 [N, B, S, H]
+    grad_activated: torch.Tensor  # bf16 [B, S, H]
+    grad_correction_coefs: torch.Tensor  # fp32 [N, N]
+    grad_router_weight: torch.Tensor  # fp32 [N, H]
+    grad_norm_weight: torch.Tensor  # fp32 [H]
+
+
+def _ptr(tensor: torch.Tensor) -> numpy.uint64:
+    return numpy.uint64(tensor.data_ptr())
+
+
+def _row_threads(hidden: int) -> int:
+    """H / 8 threads rounded up to whole warps, and at least N^3 <= 64: in the predict backward
+    thread e accumulates the prediction-coefficient gradient entry e."""
+    return max(64, (hidden // 8 + 31) // 32 * 32)
+
+
+def _launch(source: KernelSource, name: str, like: torch.Tensor, grid: int, threads: int, args,
+            shared_mem: int = 0) -> None:
+    """One launch on torch's current stream of `like`'s device."""
+    import cupy
+
+    with cupy.cuda.Device(like.device.index):
+        kernel = source.kernel(name)
+        if shared_mem > kernel.max_dynamic_shared_size_bytes:
+            kernel.max_dynamic_shared_size_bytes = shared_mem
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(like.device).cuda_stream)
+        kernel((grid,), (threads,), args, stream=stream, shared_mem=shared_mem)
+
+
+def _backward_blocks(like: torch.Tensor, tokens: int) -> int:
+    sms = torch.cuda.get_device_properties(like.device).multi_processor_count
+    return max(1, min(tokens, sms * BACKWARD_BLOCKS_PER_SM))
+
+
+def _partials(like: torch.Tensor, blocks: int, columns: int) -> tuple[torch.Tensor, int]:
+    """[blocks, stride] fp32 with the stride rounded up to 4 floats (16-byte aligned rows)."""
+    stride = (columns + 3) // 4 * 4
+    return torch.empty((blocks, stride), dtype=torch.float32, device=like.device), stride
+
+
+def _column_sum(partials: torch.Tensor, columns: int) -> torch.Tensor:
+    out = torch.empty(columns, dtype=torch.float32, device=partials.device)
+    # 32 columns a block, 32 chains of rows each (kernels/altup_column_sum_v1.cu)
+    _launch(COLUMN_SUM_SOURCE, "altup_column_sum_v1", partials, (columns + 31) // 32, 1024,
+            (_ptr(partials), numpy.int32(partials.shape[0]), numpy.int64(partials.shape[1]),
+             numpy.int64(columns), _ptr(out)))
+    return out
+
+
+def _router_grads(S: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor, router_scale: float):
+    """dR = s w S and dw = s sum_n R_n S_n from S_nd = sum_t r gz_n x_d (fp32)."""
+    w, R = norm_weight.float(), router_weight.float()
+    return router_scale * w * S, router_scale * (R * S).sum(dim=0)
+
+
+def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx: int,
+                    eps: float, router_scale: float) -> torch.Tensor:
+    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    tokens = hidden_states[0].numel() // hidden
+    out = torch.empty_like(hidden_states)
+    _launch(PREDICT_SOURCE, f"altup_predict_forward_v1<{streams}, {active_idx}>", hidden_states, tokens,
+            _row_threads(hidden),
+            (_ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight), _ptr(norm_weight), _ptr(out),
+             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
+    return out
+
+
+def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
+                     active_idx: int, eps: float, router_scale: float) -> PredictGradients:
+    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    tokens = hidden_states[0].numel() // hidden
+    grad_h = torch.empty_like(hidden_states)
+    blocks = _backward_blocks(hidden_states, tokens)
+    columns = streams * hidden + streams ** 3
+    partials, stride = _partials(hidden_states, blocks, columns)
+    _launch(PREDICT_SOURCE, f"altup_predict_backward_v1<{streams}, {active_idx}>", hidden_states, blocks,
+            _row_threads(hidden),
+            (_ptr(grad_predictions), _ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight),
+             _ptr(norm_weight), _ptr(grad_h), _ptr(partials), numpy.int64(stride), numpy.int64(tokens),
+             numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)),
+            shared_mem=4 * streams * hidden)
+    sums = _column_sum(partials, columns)
+    S = sums[: streams * hidden].view(streams, hidden)
+    grad_R, grad_w = _router_grads(S, router_weight, norm_weight, router_scale)
+    return PredictGradients(grad_h, sums[streams * hidden:].view(streams * streams, streams), grad_R, grad_w)
+
+
+def correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx: int,
+                    eps: float, router_scale: float) -> torch.Tensor:
+    streams, hidden = predictions.shape[0], predictions.shape[-1]
+    tokens = activated.numel() // hidden
+    out = torch.empty_like(predictions)
+    _launch(CORRECT_SOURCE, f"altup_correct_forward_v1<{streams}, {active_idx}>", predictions, tokens,
+            _row_threads(hidden),
+            (_ptr(predictions), _ptr(activated), _ptr(correction_coefs), _ptr(router_weight), _ptr(norm_weight),
+             _ptr(out), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
+    return out
+
+
+def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
+                     active_idx: int, eps: float, router_scale: float) -> CorrectGradients:
+    streams, hidden = predictions.shape[0], predictions.shape[-1]
+    tokens = activated.numel() // hidden
+    grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
+    blocks = _backward_blocks(predictions, tokens)
+    columns = streams * hidden + streams ** 2
+    partials, stride = _partials(predictions, blocks, columns)
+    _launch(CORRECT_SOURCE, f"altup_correct_backward_v1<{streams}, {active_idx}>", predictions, blocks,
+            _row_threads(hidden),
+            (_ptr(grad_corrected), _ptr(predictions), _ptr(activated), _ptr(correction_coefs),
+             _ptr(router_weight), _ptr(norm_weight), _ptr(grad_pred), _ptr(grad_x), _ptr(partials),
+             numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps),
+             numpy.float32(router_scale)))
+    sums = _column_sum(partials, columns)
+    S = sums[: streams * hidden].view(streams, hidden)
+    grad_R, grad_w = _router_grads(S, router_weight, norm_weight, router_scale)
+    return CorrectGradients(grad_pred, grad_x, sums[streams * hidden:].view(streams, streams), grad_R, grad_w)
+
+
+def _gemm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in cuBLAS: bf16 inputs, fp32 accumulation and output."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float):
+    """(streams [N, B, S, H] bf16, projected [B, S, N-1, H] fp32: x0 @ W_k^T, kept for the backward)."""
+    hidden = embeddings.shape[-1]
+    streams = len(projections) + 1
+    tokens = embeddings.numel() // hidden
+    x0 = embeddings.reshape(tokens, hidden)
+    projected = _gemm_f32(x0, torch.cat(list(projections)).T)  # [M, (N-1) H]: one GEMM for all k
+    out = torch.empty((streams, *embeddings.shape), dtype=embeddings.dtype, device=embeddings.device)
+    _launch(MAGNITUDE_MATCH_SOURCE, f"altup_expand_forward_v1<{streams}>", embeddings, tokens, _row_threads(hidden),
+            (_ptr(x0), _ptr(projected), _ptr(out), numpy.int64(hidden), numpy.int64((streams - 1) * hidden),
+             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(floor)))
+    return out, projected.view(*embeddings.shape[:-1], streams - 1, hidden)
+
+
+def _magnitude_match_backward(grad, stream_stride: int, scale: float, base, projected, proj_strides,
+                              grad_projected, grad_base, floor: float) -> None:
+    streams = projected.numel() // base.numel() + 1
+    hidden = base.shape[-1]
+    base_type = "float" if grad_base.dtype == torch.float32 else "unsigned short"
+    _launch(MAGNITUDE_MATCH_SOURCE, f"altup_magnitude_match_backward_v1<{streams}, {base_type}>", base,
+            base.numel() // hidden, _row_threads(hidden),
+            (_ptr(grad), _ptr(base), _ptr(projected), _ptr(grad_projected), _ptr(grad_base),
+             numpy.int64(stream_stride), numpy.float32(scale), numpy.int64(proj_strides[0]),
+             numpy.int64(proj_strides[1]), numpy.int32(hidden), numpy.float32(floor)))
+
+
+def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor], projected, floor: float):
+    """(grad_embeddings bf16 [B, S, H], [grad W_k fp32 [H, H]] * (N-1))."""
+    streams, hidden = grad_streams.shape[0], embeddings.shape[-1]
+    tokens = embeddings.numel() // hidden
+    x0 = embeddings.reshape(tokens, hidden)
+    grad_projected = torch.empty((tokens, (streams - 1) * hidden), dtype=embeddings.dtype, device=embeddings.device)
+    grad_base = torch.empty((tokens, hidden), dtype=torch.float32, device=embeddings.device)
+    _magnitude_match_backward(grad_streams, tokens * hidden, 1.0, x0, projected, (hidden, (streams - 1) * hidden),
+                              grad_projected, grad_base, floor)
+    weights = torch.cat(list(projections))  # [(N-1) H, H]
+    grad_x0 = (_gemm_f32(grad_projected, weights) + grad_base).to(embeddings.dtype)
+    # one GEMM per matrix: the operator's outputs may not be views of one buffer
+    grad_weights = [_gemm_f32(gp.T, x0) for gp in grad_projected.split(hidden, dim=1)]
+    return grad_x0.view_as(embeddings), grad_weights
+
+
+def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Tensor], floor: float):
+    """(grad_hidden_states bf16 [N, B, S, H], [grad U_k fp32 [H, H]] * (N-1)); recomputes y_k."""
+    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    tokens = grad_output.numel() // hidden
+    s = hidden_states.reshape(streams, tokens, hidden)
+    projected = torch.stack([_gemm_f32(s[k], U.T) for k, U in enumerate(projections, start=1)])
+    grad_s = torch.empty_like(s)
+    grad_projected = torch.empty((streams - 1, tokens, hidden), dtype=s.dtype, device=s.device)
+    _magnitude_match_backward(grad_output, 0, 1.0 / streams, s[0], projected, (tokens * hidden, hidden),
+                              grad_projected, grad_s[0], floor)
+    grad_U = []
+    for k, U in enumerate(projections, start=1):
+        torch.mm(grad_projected[k - 1], U, out=grad_s[k])
+        grad_U.append(_gemm_f32(grad_projected[k - 1].T, s[k]))
+    return grad_s.view_as(hidden_states), grad_U

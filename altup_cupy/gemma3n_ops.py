@@ -1,0 +1,331 @@
+"""PyTorch custom operators (namespace altup_cupy) for Gemma 3n's AltUp steps, forward and backward.
+
+    predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale) -> pred
+    predict_backward(grad, hidden_states, ...) -> (grad_hidden_states, grad_P, grad_R, grad_w)
+    correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale)
+    correct_backward(grad, predictions, activated, ...) -> (grad_pred, grad_activated, grad_Q, grad_R, grad_w)
+    expand(embeddings, projections[], floor) -> (streams, projected)   projected: x0 @ W_k^T, [B, S, N-1, H]
+    expand_backward(grad_streams, embeddings, projections[], projected, floor) -> (grad_embeddings, grad_W[])
+    collapse_backward(grad_output, hidden_states, projections[], floor) -> (grad_hidden_states, grad_U[])
+
+Each has a fake implementation (shapes only: torch.compile, FakeTensorMode), a CUDA implementation
+(the kernels of `gemma3n_kernels`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072, weight gradients in
+fp32) and a CPU implementation: `reference.gemma3n` in float32 (float64 for float64 inputs, so
+torch.autograd.gradcheck runs on it), results in the input dtype and weight gradients in float32
+(float64). router_scale is the s of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or
+transformers' `router_input_scale` buffer in the model's dtype. `altup_cupy.torch` makes them
+differentiable.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import gemma3n_kernels as cuda
+from .reference import gemma3n as ref
+from .reference.collapse import collapse_reference
+
+BF16 = torch.bfloat16
+
+
+# ---- validation: named errors before anything runs -------------------------------------------
+
+def _check_tensor(name: str, t, shape: tuple, dims: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+        expected = "[" + ", ".join(str(s) if s is not None else d for s, d in zip(shape, dims.split())) + "]"
+        raise ValueError(f"{name} must have shape {expected} ({dims}), got {list(t.shape)}")
+
+
+def _check_streams_rows(streams_name: str, streams_t, rows: Sequence[tuple[str, torch.Tensor]] = ()):
+    """An [N, B, S, H] tensor and rows [B, S, H] of the same B, S, H; returns (N, H)."""
+    _check_tensor(streams_name, streams_t, (None, None, None, None), "N B S H")
+    n, b, s, h = streams_t.shape
+    if not 2 <= n:
+        raise ValueError(f"{streams_name} must hold N >= 2 streams (dim 0), got {n}")
+    for name, t in rows:
+        _check_tensor(name, t, (b, s, h), "B S H")
+    return n, h
+
+
+def _check_router(streams, hidden, router_weight, norm_weight):
+    _check_tensor("router_weight", router_weight, (streams, hidden), "N H")
+    _check_tensor("norm_weight", norm_weight, (hidden,), "H")
+
+
+def _check_active(active_idx, streams):
+    if isinstance(active_idx, bool) or not isinstance(active_idx, int):
+        raise TypeError(f"active_idx must be an int, got {type(active_idx).__name__}")
+    if not 0 <= active_idx < streams:
+        raise ValueError(f"active_idx must satisfy 0 <= active_idx < N = {streams}, got {active_idx}")
+
+
+def _check_projections(projections, streams, hidden):
+    if len(projections) != streams - 1:
+        raise ValueError(f"projections must hold N-1 = {streams - 1} matrices for N = {streams} streams, "
+                         f"got {len(projections)}")
+    for i, w in enumerate(projections):
+        _check_tensor(f"projections[{i}]", w, (hidden, hidden), "H H")
+
+
+def cuda_serves(streams: int, hidden: int) -> str | None:
+    """None if the kernels take this shape, else why not (the same words the ops raise)."""
+    if streams not in cuda.STREAMS:
+        return f"N = {streams} streams (the kernels take N in {cuda.STREAMS})"
+    if hidden % 8 or hidden > cuda.MAX_HIDDEN:
+        return f"hidden size H = {hidden} (the kernels take H % 8 == 0 and H <= {cuda.MAX_HIDDEN})"
+    return None
+
+
+def _check_cuda(tensors: Sequence[tuple[str, torch.Tensor]], streams: int, hidden: int):
+    reason = cuda_serves(streams, hidden)
+    if reason is not None:
+        raise ValueError(f"the CUDA kernels do not take {reason}")
+    device = tensors[0][1].device
+    for name, t in tensors:
+        if t.dtype != BF16:
+            raise TypeError(f"{name} must be bfloat16 on CUDA, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (the device of {tensors[0][0]})")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (data_ptr % 16 == 0), got {t.data_ptr() % 16}")
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The CPU implementations compute in float32, or float64 for float64 inputs."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _weight_grad_dtype(t: torch.Tensor) -> torch.dtype:
+    return _compute_dtype(t) if t.device.type == "cpu" else torch.float32
+
+
+# ---- predict -----------------------------------------------------------------------------------
+
+def _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx):
+    streams, hidden = _check_streams_rows("hidden_states", hidden_states)
+    _check_tensor("prediction_coefs", prediction_coefs, (streams * streams, streams), "N*N N")
+    _check_router(streams, hidden, router_weight, norm_weight)
+    _check_active(active_idx, streams)
+    return streams, hidden
+
+
+@torch.library.custom_op("altup_cupy::predict", mutates_args=())
+def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
+            norm_weight: torch.Tensor, active_idx: int, eps: float, router_scale: float) -> torch.Tensor:
+    streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
+    args = (hidden_states, prediction_coefs, router_weight, norm_weight)
+    if hidden_states.is_cuda:
+        _check_cuda(list(zip(("hidden_states", "prediction_coefs", "router_weight", "norm_weight"), args)),
+                    streams, hidden)
+        if hidden_states[0].numel() == 0:
+            return torch.empty_like(hidden_states)
+        return cuda.predict_forward(*args, active_idx, eps, router_scale)
+    pred = ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
+    return pred.to(hidden_states.dtype)
+
+
+@predict.register_fake
+def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
+    _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("altup_cupy::predict_backward", mutates_args=())
+def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor, prediction_coefs: torch.Tensor,
+                     router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
+                     router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
+    _check_tensor("grad_predictions", grad_predictions, tuple(hidden_states.shape), "N B S H")
+    args = (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight)
+    if hidden_states.is_cuda:
+        _check_cuda(list(zip(("grad_predictions", "hidden_states", "prediction_coefs", "router_weight",
+                              "norm_weight"), args)), streams, hidden)
+        if hidden_states[0].numel() == 0:
+            return _zero_grads(hidden_states, prediction_coefs, router_weight, norm_weight)
+        return tuple(cuda.predict_backward(*args, active_idx, eps, router_scale))
+    grads = ref.predict_backward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
+    return (grads[0].to(hidden_states.dtype), *grads[1:])
+
+
+def _zero_grads(activations, *weights):
+    """The gradients of an empty batch: zero rows, zero weight gradients."""
+    return (torch.zeros_like(activations),
+            *(torch.zeros(w.shape, dtype=_weight_grad_dtype(w), device=w.device) for w in weights))
+
+
+@predict_backward.register_fake
+def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
+    _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
+    f = _weight_grad_dtype(hidden_states)
+    return (torch.empty_like(hidden_states), prediction_coefs.new_empty(prediction_coefs.shape, dtype=f),
+            router_weight.new_empty(router_weight.shape, dtype=f), norm_weight.new_empty(norm_weight.shape, dtype=f))
+
+
+# ---- correct -----------------------------------------------------------------------------------
+
+def _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx):
+    streams, hidden = _check_streams_rows("predictions", predictions, [("activated", activated)])
+    _check_tensor("correction_coefs", correction_coefs, (streams, streams), "N N")
+    _check_router(streams, hidden, router_weight, norm_weight)
+    _check_active(active_idx, streams)
+    return streams, hidden
+
+
+_CORRECT_NAMES = ("predictions", "activated", "correction_coefs", "router_weight", "norm_weight")
+
+
+@torch.library.custom_op("altup_cupy::correct", mutates_args=())
+def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
+            router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
+            router_scale: float) -> torch.Tensor:
+    args = (predictions, activated, correction_coefs, router_weight, norm_weight)
+    streams, hidden = _validate_correct(*args, active_idx)
+    if predictions.is_cuda:
+        _check_cuda(list(zip(_CORRECT_NAMES, args)), streams, hidden)
+        if activated.numel() == 0:
+            return torch.empty_like(predictions)
+        return cuda.correct_forward(*args, active_idx, eps, router_scale)
+    return ref.correct_forward(*args, active_idx, eps, _compute_dtype(predictions), router_scale).to(predictions.dtype)
+
+
+@correct.register_fake
+def _(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
+    _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
+    return torch.empty_like(predictions)
+
+
+@torch.library.custom_op("altup_cupy::correct_backward", mutates_args=())
+def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, activated: torch.Tensor,
+                     correction_coefs: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor,
+                     active_idx: int, eps: float, router_scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (predictions, activated, correction_coefs, router_weight, norm_weight)
+    streams, hidden = _validate_correct(*args, active_idx)
+    _check_tensor("grad_corrected", grad_corrected, tuple(predictions.shape), "N B S H")
+    if predictions.is_cuda:
+        _check_cuda([("grad_corrected", grad_corrected), *zip(_CORRECT_NAMES, args)], streams, hidden)
+        if activated.numel() == 0:
+            return (torch.zeros_like(predictions), *_zero_grads(activated, correction_coefs, router_weight,
+                                                                 norm_weight))
+        return tuple(cuda.correct_backward(grad_corrected, *args, active_idx, eps, router_scale))
+    grads = ref.correct_backward(grad_corrected, *args, active_idx, eps, _compute_dtype(predictions), router_scale)
+    return (grads[0].to(predictions.dtype), grads[1].to(activated.dtype), *grads[2:])
+
+
+@correct_backward.register_fake
+def _(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
+      router_scale):
+    _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
+    f = _weight_grad_dtype(predictions)
+    return (torch.empty_like(predictions), torch.empty_like(activated),
+            correction_coefs.new_empty(correction_coefs.shape, dtype=f),
+            router_weight.new_empty(router_weight.shape, dtype=f), norm_weight.new_empty(norm_weight.shape, dtype=f))
+
+
+# ---- expansion ---------------------------------------------------------------------------------
+
+def _validate_expand(embeddings, projections):
+    _check_tensor("embeddings", embeddings, (None, None, None), "B S H")
+    streams, hidden = len(projections) + 1, embeddings.shape[-1]
+    _check_projections(projections, streams, hidden)
+    return streams, hidden
+
+
+def _check_floor(floor):
+    if not floor > 0:
+        raise ValueError(f"floor must be > 0, got {floor}")
+
+
+@torch.library.custom_op("altup_cupy::expand", mutates_args=())
+def expand(embeddings: torch.Tensor, projections: list[torch.Tensor], floor: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    streams, hidden = _validate_expand(embeddings, projections)
+    _check_floor(floor)
+    if embeddings.is_cuda:
+        _check_cuda([("embeddings", embeddings)] + [(f"projections[{i}]", w) for i, w in enumerate(projections)],
+                    streams, hidden)
+        if embeddings.numel() == 0:
+            return (embeddings.new_empty((streams, *embeddings.shape)),
+                    embeddings.new_empty((*embeddings.shape[:-1], streams - 1, hidden), dtype=torch.float32))
+        return cuda.expand_forward(embeddings, projections, floor)
+    dtype = _compute_dtype(embeddings)
+    x0 = embeddings.to(dtype)
+    projected = torch.stack([x0 @ w.to(dtype).T for w in projections], dim=-2)  # [B, S, N-1, H]
+    matched = ref.magnitude_match_forward(x0, projected.movedim(-2, 0), floor)
+    return torch.cat([x0.unsqueeze(0), matched]).to(embeddings.dtype), projected
+
+
+@expand.register_fake
+def _(embeddings, projections, floor):
+    streams, hidden = _validate_expand(embeddings, projections)
+    return (embeddings.new_empty((streams, *embeddings.shape)),
+            embeddings.new_empty((*embeddings.shape[:-1], streams - 1, hidden), dtype=_weight_grad_dtype(embeddings)))
+
+
+@torch.library.custom_op("altup_cupy::expand_backward", mutates_args=())
+def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projections: list[torch.Tensor],
+                    projected: torch.Tensor, floor: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    streams, hidden = _validate_expand(embeddings, projections)
+    _check_tensor("grad_streams", grad_streams, (streams, *embeddings.shape), "N B S H")
+    _check_tensor("projected", projected, (*embeddings.shape[:-1], streams - 1, hidden), "B S N-1 H")
+    if embeddings.is_cuda:
+        _check_cuda([("grad_streams", grad_streams), ("embeddings", embeddings)]
+                    + [(f"projections[{i}]", w) for i, w in enumerate(projections)], streams, hidden)
+        if embeddings.numel() == 0:
+            return torch.zeros_like(embeddings), [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                                                  for w in projections]
+        return cuda.expand_backward(grad_streams, embeddings, projections, projected, floor)
+    dtype = _compute_dtype(embeddings)
+    g, x0 = grad_streams.to(dtype), embeddings.to(dtype)
+    matched = ref.magnitude_match_backward(g[1:], x0, projected.to(dtype).movedim(-2, 0), floor)
+    grad_x0 = g[0] + matched.grad_base + sum(gp @ w.to(dtype) for gp, w in zip(matched.grad_projected, projections))
+    grad_w = [gp.reshape(-1, hidden).T @ x0.reshape(-1, hidden) for gp in matched.grad_projected]
+    return grad_x0.to(embeddings.dtype), grad_w
+
+
+@expand_backward.register_fake
+def _(grad_streams, embeddings, projections, projected, floor):
+    _validate_expand(embeddings, projections)
+    f = _weight_grad_dtype(embeddings)
+    return torch.empty_like(embeddings), [w.new_empty(w.shape, dtype=f) for w in projections]
+
+
+# ---- collapse ----------------------------------------------------------------------------------
+
+def _validate_collapse(hidden_states, projections):
+    streams, hidden = _check_streams_rows("hidden_states", hidden_states)
+    _check_projections(projections, streams, hidden)
+    return streams, hidden
+
+
+@torch.library.custom_op("altup_cupy::collapse_backward", mutates_args=())
+def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, projections: list[torch.Tensor],
+                      floor: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    streams, hidden = _validate_collapse(hidden_states, projections)
+    _check_tensor("grad_output", grad_output, tuple(hidden_states.shape[1:]), "B S H")
+    if hidden_states.is_cuda:
+        _check_cuda([("grad_output", grad_output), ("hidden_states", hidden_states)]
+                    + [(f"projections[{i}]", w) for i, w in enumerate(projections)], streams, hidden)
+        if grad_output.numel() == 0:
+            return torch.zeros_like(hidden_states), [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                                                     for w in projections]
+        return cuda.collapse_backward(grad_output, hidden_states, projections, floor)
+    grads = ref.collapse_backward(grad_output, hidden_states, projections, floor, _compute_dtype(hidden_states))
+    # one tensor per matrix: outputs of an operator may not alias each other
+    return grads.grad_input.to(hidden_states.dtype), [g.clone() for g in grads.grad_projections]
+
+
+@collapse_backward.register_fake
+def _(grad_output, hidden_states, projections, floor):
+    _validate_collapse(hidden_states, projections)
+    f = _weight_grad_dtype(hidden_states)
+    return torch.empty_like(hidden_states), [w.new_empty(w.shape, dtype=f) for w in projections]
+

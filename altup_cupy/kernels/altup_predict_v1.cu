@@ -1,0 +1,166 @@
+// altup_predict_v1.cu: Gemma 3n's AltUp predict step, forward and backward (one autograd node).
+//
+//   m_p = route(h_a);  C[i][j] = (P m_p)[N*i + j];  pred_i = h_i + sum_j C[i][j] h_j
+//
+// Forward: one block per token; reads the N rows once, writes the N predictions once.
+// Backward: a fixed grid of blocks walks the tokens (block b: tokens b, b + grid, ...), so every
+// block's weight-gradient partial sums its tokens in a fixed order; altup_column_sum_v1 then sums
+// the partials in block order: bitwise deterministic. Per token, ONE block reduction gives every
+// dot product the step needs (<h_a, h_a>, A_n = sum_d R_nd w_d h_a,d, G_ij = <g_i, h_j>):
+//   dC = G;  gm_p = P^T dC;  grad_h_j = g_j + sum_i C_ij g_i + [j == a] route_backward(h_a, gm_p)
+//   partial layout per block: S [N, H] (S_nd = sum_t r gz_n h_a,d) | dP [N*N*N] (sum_t G_ij m_l)
+//   (S accumulates in N * H floats of dynamic shared memory)
+// and the host finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
+// active index A is a template argument so that every row array is indexed by constants
+// (registers, no local memory).
+#include "common.cuh"
+#include "altup_rows.cuh"
+
+template <int N, int A>
+__global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
+    const unsigned short* __restrict__ hidden_states,   // [N, M, H] bf16
+    const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
+    const unsigned short* __restrict__ router_weight,   // [N, H] bf16
+    const unsigned short* __restrict__ norm_weight,     // [H] bf16
+    unsigned short* __restrict__ predictions,           // [N, M, H] bf16
+    const long long tokens, const int hidden, const float eps, const float router_scale) {
+    __shared__ float scratch[32 * (1 + N)];
+    __shared__ float P[N * N * N];
+    load_small_matrix(prediction_coefs, P, N * N * N);
+    const RowSlice slice(hidden);
+    const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
+    const long long t = blockIdx.x, plane = tokens * hidden;
+
+    float h[N][kVec];
+#pragma unroll
+    for (int j = 0; j < N; ++j) slice.load(hidden_states + j * plane + t * hidden, h[j]);
+    float sums[1 + N];
+    sums[0] = dot8(h[A], h[A]);
+    router.project(h[A], sums + 1);
+    block_sum(sums, scratch);
+    const RouterScalars<N> route(sums[0], sums + 1, hidden, eps, router_scale);
+
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        float pred[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) pred[e] = h[i][e];
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            float c = 0.0f;
+#pragma unroll
+            for (int l = 0; l < N; ++l) c = fmaf(P[(N * i + j) * N + l], route.m[l], c);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) pred[e] = fmaf(c, h[j][e], pred[e]);
+        }
+        slice.store(predictions + i * plane + t * hidden, pred);
+    }
+}
+
+template <int N, int A>
+__global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
+    const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
+    const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
+    const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
+    const unsigned short* __restrict__ router_weight,     // [N, H] bf16
+    const unsigned short* __restrict__ norm_weight,       // [H] bf16
+    unsigned short* __restrict__ grad_hidden_states,      // [N, M, H] bf16
+    float* __restrict__ partials,                         // [gridDim.x, partial_stride] fp32
+    const long long partial_stride, const long long tokens, const int hidden, const float eps,
+    const float router_scale) {
+    constexpr int kSums = 1 + N + N * N;
+    __shared__ float scratch[32 * kSums];
+    __shared__ float P[N * N * N];
+    load_small_matrix(prediction_coefs, P, N * N * N);
+    const RowSlice slice(hidden);
+    const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
+    const long long plane = tokens * hidden;
+
+    // S lives in shared memory (dynamic, N * H floats): in registers it would spill at N = 4.
+    // Each thread touches only its own slice, so no barrier guards it.
+    extern __shared__ float S[];
+    if (slice.active) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) S[n * hidden + slice.d0 + e] = 0.0f;
+        }
+    }
+    float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
+    for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
+        float g[N][kVec], h[N][kVec];
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            slice.load(grad_predictions + j * plane + t * hidden, g[j]);
+            slice.load(hidden_states + j * plane + t * hidden, h[j]);
+        }
+        float sums[kSums];
+        sums[0] = dot8(h[A], h[A]);
+        router.project(h[A], sums + 1);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+#pragma unroll
+            for (int j = 0; j < N; ++j) sums[1 + N + N * i + j] = dot8(g[i], h[j]);
+        }
+        block_sum(sums, scratch);
+        const float* Ap = sums + 1;
+        const float* G = sums + 1 + N;
+        const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);
+
+        float gm[N];
+#pragma unroll
+        for (int l = 0; l < N; ++l) {
+            float s = 0.0f;
+#pragma unroll
+            for (int ij = 0; ij < N * N; ++ij) s = fmaf(P[ij * N + l], G[ij], s);
+            gm[l] = s;
+        }
+        float gz[N], alpha[N];
+        const float beta = route.backward(gm, Ap, router_scale, gz, alpha);
+        // constant indices only (a register array indexed by threadIdx would go to local memory)
+#pragma unroll
+        for (int e = 0; e < N * N * N; ++e) {
+            if (threadIdx.x == e) dP = fmaf(G[e / N], route.m[e % N], dP);
+        }
+
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            float out[kVec];
+            if (j == A) {
+                router.input_grad(alpha, beta, h[j], out);
+            } else {
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                float c = (i == j) ? 1.0f : 0.0f;
+#pragma unroll
+                for (int l = 0; l < N; ++l) c = fmaf(P[(N * i + j) * N + l], route.m[l], c);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) out[e] = fmaf(c, g[i][e], out[e]);
+            }
+            slice.store(grad_hidden_states + j * plane + t * hidden, out);
+        }
+        if (slice.active) {
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                const float scale = route.r * gz[n];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    float& s = S[n * hidden + slice.d0 + e];
+                    s = fmaf(scale, h[A][e], s);
+                }
+            }
+        }
+    }
+    float* partial = partials + blockIdx.x * partial_stride;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        float row[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) row[e] = slice.active ? S[n * hidden + slice.d0 + e] : 0.0f;
+        slice.store(partial + static_cast<long long>(n) * hidden, row);
+    }
+    if (threadIdx.x < N * N * N) partial[static_cast<long long>(N) * hidden + threadIdx.x] = dP;
+}

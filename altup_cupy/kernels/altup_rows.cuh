@@ -1,0 +1,146 @@
+// altup_rows.cuh: the per-token row layout shared by the Gemma 3n AltUp step kernels, and the
+// router route(x) = tanh(R (x * rsqrt(mean(x^2) + eps) * w / H)) forward and backward on it.
+//
+// One block works on one token at a time. Thread t holds elements [8t, 8t + 8) of every row of
+// that token (one 16-byte bf16 vector or two float4), so a row of H elements needs H / 8 threads;
+// threads past the row hold zeros and store nothing. The block has a multiple of 32 threads.
+#pragma once
+
+// H <= 8 * kRowThreadsMax (3072: Gemma 3n has 2048 and 2560): launch bounds of 384 threads leave
+// 168 registers a thread, which the backward kernels need at N = 4 to hold the rows unspilled.
+constexpr int kRowThreadsMax = ALTUP_ROW_THREADS_MAX;
+
+struct RowSlice {
+    long long d0;  // first element of this thread's slice
+    bool active;   // the slice lies inside the row
+    __device__ __forceinline__ explicit RowSlice(const int hidden)
+        : d0(static_cast<long long>(threadIdx.x) * kVec), active(threadIdx.x * kVec < hidden) {}
+
+    __device__ __forceinline__ void load(const unsigned short* row, float (&out)[kVec]) const {
+        if (active) {
+            unpack_bf16x8(load_streaming(reinterpret_cast<const uint4*>(row + d0)), out);
+        } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+        }
+    }
+    __device__ __forceinline__ void load(const float* row, float (&out)[kVec]) const {
+        if (active) {
+            const float4 lo = load_streaming(reinterpret_cast<const float4*>(row + d0));
+            const float4 hi = load_streaming(reinterpret_cast<const float4*>(row + d0) + 1);
+            out[0] = lo.x; out[1] = lo.y; out[2] = lo.z; out[3] = lo.w;
+            out[4] = hi.x; out[5] = hi.y; out[6] = hi.z; out[7] = hi.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+        }
+    }
+    // Weights every block reads: through the read-only cache, kept in L1/L2.
+    __device__ __forceinline__ void load_reused(const unsigned short* row, float (&out)[kVec]) const {
+        if (active) {
+            unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(row + d0)), out);
+        } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+        }
+    }
+    __device__ __forceinline__ void store(unsigned short* row, const float (&in)[kVec]) const {
+        if (active) *reinterpret_cast<uint4*>(row + d0) = pack_bf16x8(in);
+    }
+    __device__ __forceinline__ void store(float* row, const float (&in)[kVec]) const {
+        if (active) {
+            reinterpret_cast<float4*>(row + d0)[0] = make_float4(in[0], in[1], in[2], in[3]);
+            reinterpret_cast<float4*>(row + d0)[1] = make_float4(in[4], in[5], in[6], in[7]);
+        }
+    }
+};
+
+__device__ __forceinline__ float dot8(const float (&x)[kVec], const float (&y)[kVec]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s = fmaf(x[e], y[e], s);
+    return s;
+}
+
+// route(x) = tanh(R (x * rsqrt(mean(x^2) + eps) * w * s)), s the router's input scale.
+// The router weight R [N, H] and the norm weight w [H] as this thread's slice sees them. They are
+// read where they are used (every block reads the same few KB: L1 hits), not held in registers,
+// which the token's rows and the weight-gradient accumulators need.
+template <int N>
+struct RouterSlice {
+    const RowSlice& slice;
+    const unsigned short* router_weight;
+    const unsigned short* norm_weight;
+    int hidden;
+
+    // This thread's share of A_n = sum_d R_nd w_d x_d (route's pre-activation before r s).
+    __device__ __forceinline__ void project(const float (&x)[kVec], float* A) const {
+        float w[kVec];
+        slice.load_reused(norm_weight, w);
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float R[kVec];
+            slice.load_reused(router_weight + static_cast<long long>(n) * hidden, R);
+            float s = 0.0f;
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) s = fmaf(R[e] * w[e], x[e], s);
+            A[n] = s;
+        }
+    }
+
+    // gx = r * gu - r^3 x <gu, x> / H with gu = (R^T gz) w s, written as
+    // w (R^T alpha) - beta x, alpha = r gz s, beta = r^3 s <gz, A> / H (<gu, x> = s <gz, A>).
+    __device__ __forceinline__ void input_grad(const float (&alpha)[N], const float beta,
+                                               const float (&x)[kVec], float (&gx)[kVec]) const {
+        float s[kVec] = {};
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float R[kVec];
+            slice.load_reused(router_weight + static_cast<long long>(n) * hidden, R);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) s[e] = fmaf(alpha[n], R[e], s[e]);
+        }
+        float w[kVec];
+        slice.load_reused(norm_weight, w);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gx[e] = fmaf(w[e], s[e], -beta * x[e]);
+    }
+};
+
+// The per-token router scalars from the block sums ss = <x, x> and A: r = rsqrt(ss / H + eps) and
+// m = tanh(r A s), where s is the router's input scale (transformers' `router_input_scale`:
+// 1 / H in the model's dtype).
+template <int N>
+struct RouterScalars {
+    float r;
+    float m[N];
+    float inv_h;  // 1 / H: multiplied, since a division's slow path would need a stack frame
+    __device__ __forceinline__ RouterScalars(const float ss, const float* A, const int hidden, const float eps,
+                                             const float scale) {
+        inv_h = 1.0f / static_cast<float>(hidden);
+        r = rsqrtf(fmaf(ss, inv_h, eps));
+#pragma unroll
+        for (int n = 0; n < N; ++n) m[n] = tanhf(r * A[n] * scale);
+    }
+
+    // alpha_n = r gz_n s and beta = r^3 s <gz, A> / H for the upstream gradient gm of m.
+    __device__ __forceinline__ float backward(const float (&gm)[N], const float* A, const float scale,
+                                              float (&gz)[N], float (&alpha)[N]) const {
+        float s = 0.0f;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            gz[n] = gm[n] * (1.0f - m[n] * m[n]);
+            alpha[n] = r * gz[n] * scale;
+            s = fmaf(gz[n], A[n], s);
+        }
+        return r * r * r * scale * s * inv_h;
+    }
+};
+
+// Loads a small bf16 matrix (the coefficient weights, <= 64 entries) into shared memory as fp32.
+__device__ __forceinline__ void load_small_matrix(const unsigned short* src, float* dst, const int count) {
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        dst[i] = __uint_as_float(static_cast<unsigned int>(src[i]) << 16);
+    }
+    __syncthreads();
+}

@@ -1,0 +1,142 @@
+"""Differentiable Gemma 3n AltUp steps for PyTorch: `predict`, `correct`, `expand`, `collapse`.
+
+    from altup_cupy.torch import predict, correct, expand, collapse
+
+    pred      = predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps)
+    activated = layer(pred[active_idx])            # the decoder layer proper, any torch code
+    corrected = correct(pred, activated, correction_coefs, router_weight, norm_weight, active_idx, eps)
+    streams   = expand(embeddings, [W_1, .., W_{N-1}])      # model input: N streams
+    out       = collapse(streams, [U_1, .., U_{N-1}])       # model output: one hidden state
+
+Each is one custom operator of the `altup_cupy` namespace (see `gemma3n_ops`) with its backward
+registered through torch.library.register_autograd, so they compose with torch.compile
+(fullgraph) and CUDA graphs, and their CUDA backwards are bitwise deterministic. predict and
+correct are separate autograd nodes: in the model `activated` is computed from the active
+prediction, and autograd runs the layer's backward between them. Gradients come back in each
+input's dtype (the kernels accumulate weight gradients in fp32 and round once).
+The router is route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)) with s = router_scale, 1 / H by
+default (transformers' models use their `router_input_scale` buffer: 1 / H rounded to the model's
+dtype). No coefficient clipping happens here: a caller that clips (transformers in training mode)
+passes clipped weights (see `altup_cupy.gemma3n`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import gemma3n_ops  # noqa: F401  (registers the operators)
+from .reference.gemma3n import MAGNITUDE_FLOOR
+
+_ops = torch.ops.altup_cupy
+
+
+def _like(grad, t):
+    return None if grad is None else grad.to(t.dtype)
+
+
+def _router_scale(router_scale, x):
+    return 1.0 / x.shape[-1] if router_scale is None else float(router_scale)
+
+
+# ---- predict -----------------------------------------------------------------------------------
+
+def _predict_setup(ctx, inputs, output):
+    hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale = inputs
+    ctx.save_for_backward(hidden_states, prediction_coefs, router_weight, norm_weight)
+    ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
+
+
+def _predict_backward(ctx, grad):
+    saved = ctx.saved_tensors
+    grads = _ops.predict_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
+    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
+
+
+torch.library.register_autograd("altup_cupy::predict", _predict_backward, setup_context=_predict_setup)
+
+
+def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
+            norm_weight: torch.Tensor, active_idx: int = 0, eps: float = 1e-6,
+            router_scale: float | None = None) -> torch.Tensor:
+    """pred_i = h_i + sum_j C[i][j] h_j with C = reshape(P route(h_a), [N, N]); [N, B, S, H].
+    router_scale: the s of route (module docstring); None: 1 / H."""
+    return _ops.predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps,
+                        _router_scale(router_scale, hidden_states))
+
+
+# ---- correct -----------------------------------------------------------------------------------
+
+def _correct_setup(ctx, inputs, output):
+    predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale = inputs
+    ctx.save_for_backward(predictions, activated, correction_coefs, router_weight, norm_weight)
+    ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
+
+
+def _correct_backward(ctx, grad):
+    saved = ctx.saved_tensors
+    grads = _ops.correct_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
+    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
+
+
+torch.library.register_autograd("altup_cupy::correct", _correct_backward, setup_context=_correct_setup)
+
+
+def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
+            router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int = 0,
+            eps: float = 1e-6, router_scale: float | None = None) -> torch.Tensor:
+    """corrected_i = pred_i + k_i (activated - pred_a), k = Q route(activated) + 1; [N, B, S, H].
+    router_scale: the s of route (module docstring); None: 1 / H."""
+    return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
+                        _router_scale(router_scale, activated))
+
+
+# ---- expansion ---------------------------------------------------------------------------------
+
+def _expand_setup(ctx, inputs, output):
+    embeddings, projections, floor = inputs
+    ctx.save_for_backward(embeddings, output[1], *projections)
+    ctx.floor = floor
+    ctx.mark_non_differentiable(output[1])
+
+
+def _expand_backward(ctx, grad_streams, _grad_projected):
+    embeddings, projected, *projections = ctx.saved_tensors
+    grad_x0, grad_w = _ops.expand_backward(grad_streams.contiguous(), embeddings, projections, projected, ctx.floor)
+    return _like(grad_x0, embeddings), [_like(g, w) for g, w in zip(grad_w, projections)], None
+
+
+torch.library.register_autograd("altup_cupy::expand", _expand_backward, setup_context=_expand_setup)
+
+
+def expand(embeddings: torch.Tensor, projections: Sequence[torch.Tensor],
+           floor: float = MAGNITUDE_FLOOR) -> torch.Tensor:
+    """[N, B, S, H]: stream 0 = embeddings, stream k = x0 W_k^T rescaled to x0's RMS (mean square
+    floored at `floor`, transformers' 1e-5)."""
+    return _ops.expand(embeddings, list(projections), floor)[0]
+
+
+# ---- collapse ----------------------------------------------------------------------------------
+
+def _collapse_setup(ctx, inputs, output):
+    hidden_states, projections, eps, *_version = inputs
+    ctx.save_for_backward(hidden_states, *projections)
+    ctx.floor = eps
+
+
+def _collapse_backward(ctx, grad):
+    hidden_states, *projections = ctx.saved_tensors
+    grad_s, grad_u = _ops.collapse_backward(grad.contiguous(), hidden_states, projections, ctx.floor)
+    return (_like(grad_s, hidden_states), [_like(g, u) for g, u in zip(grad_u, projections)],
+            # eps, and version where the dispatcher counts it: one None per remaining input
+            *([None] * (len(ctx.needs_input_grad) - 2)))
+
+
+torch.library.register_autograd("altup_cupy::collapse", _collapse_backward, setup_context=_collapse_setup)
+
+
+def collapse(hidden_states: torch.Tensor, projections: Sequence[torch.Tensor],
+             floor: float = MAGNITUDE_FLOOR) -> torch.Tensor:
+    """[B, S, H] = (s_0 + sum_k y_k rms(s_0) / sqrt(max(mean(y_k^2), floor))) / N, y_k = s_k U_k^T."""
+    return _ops.collapse(hidden_states, list(projections), floor)

@@ -1,0 +1,223 @@
+"""Gemma 3n's AltUp with altup_cupy on a CUDA GPU: the GPU tests, then the speed of a training step.
+
+    python scripts/bench_gemma3n.py            # tests (log) + speed CSV
+    python scripts/bench_gemma3n.py --quick    # a short run: fewer shapes, repetitions and tests
+    python scripts/bench_gemma3n.py --no-tests # speed only
+
+Speed: the AltUp part of one training step (forward + backward) at Gemma 3n E2B's sizes (N = 4,
+H = 2048, 30 layers): the expansion, every layer's predict and correct (the layer proper between
+them is left out: `activated` is the active prediction itself), the collapse. Three versions of
+the same code:
+- `altup_cupy`: transformers' Gemma3nTextAltUp modules patched by altup_cupy.gemma3n, and
+  altup_cupy.torch's expand / collapse;
+- `transformers_eager`: the unpatched modules; the expansion and collapse, which transformers
+  writes inline in Gemma3nTextModel.forward, run as the same torch ops in the model dtype
+  (altup_cupy.reference.gemma3n in bf16);
+- `torch_compile`: torch.compile of `transformers_eager`.
+Plus one whole training step (forward, backward, AdamW) of a small Gemma3nForCausalLM with and
+without the patch. GPU time: CUDA events around each call, L2 flushed before it, median (the
+harness of altup_cupy.bench); wall time: host clock from issue to completion (synchronised),
+median. Rows go to results/gemma3n_training_step.csv, the test log to results/gemma3n_gpu_tests.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+
+import altup_cupy.gemma3n as gemma3n  # noqa: E402
+from altup_cupy import torch as altup  # noqa: E402
+from altup_cupy.bench import run_info, time_us  # noqa: E402
+from altup_cupy.reference import gemma3n as ref  # noqa: E402
+from gemma3n_support import tiny_text_config  # noqa: E402
+from transformers.models.gemma3n import modeling_gemma3n as modeling  # noqa: E402
+
+STREAMS, HIDDEN, LAYERS = 4, 2048, 30  # Gemma 3n E2B
+SHAPES = [(8, 1024), (1, 4096), (1, 256)]
+QUICK_SHAPES = [(1, 4096), (1, 256)]
+COLUMNS = ("what", "impl", "N", "H", "layers", "batch_size", "seq_len", "tokens", "gpu_median_us",
+           "gpu_p10_us", "gpu_p90_us", "wall_median_us", "gpu", "git_sha", "date")
+
+
+class AltUpStack(torch.nn.Module):
+    """The AltUp part of a Gemma 3n text model, its parameters shaped and initialised as there."""
+
+    def __init__(self, layers: int, hidden: int, ours: bool):
+        super().__init__()
+        config = tiny_text_config(streams=STREAMS, hidden=hidden)
+        self.ours = ours
+        self.altups = torch.nn.ModuleList(modeling.Gemma3nTextAltUp(config) for _ in range(layers))
+        self.expand_proj = self._projections(hidden)
+        self.collapse_proj = self._projections(hidden)
+        with torch.no_grad():
+            for module in self.altups:
+                module.prediction_coefs.weight.normal_(0.0, 0.5)
+                module.correction_coefs.weight.normal_(0.0, 0.5)
+
+    @staticmethod
+    def _projections(hidden):
+        return torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(STREAMS - 1))
+
+    def forward(self, embeddings):
+        expand_w = [p.weight for p in self.expand_proj]
+        collapse_w = [p.weight for p in self.collapse_proj]
+        if self.ours:
+            hidden_states = altup.expand(embeddings, expand_w)
+        else:
+            hidden_states = ref.expand_forward(embeddings, expand_w, dtype=embeddings.dtype)
+        for module in self.altups:
+            predictions = module.predict(hidden_states)
+            hidden_states = module.correct(predictions, predictions[module.config.altup_active_idx])
+        if self.ours:
+            return altup.collapse(hidden_states, collapse_w)
+        return ref.collapse_forward(hidden_states, collapse_w, dtype=hidden_states.dtype)
+
+
+def _training_call(model, inputs, grad):
+    params = list(model.parameters())
+
+    def call():
+        for p in params:
+            p.grad = None
+        model(inputs).backward(grad)
+
+    return call
+
+
+def _wall_us(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _row(what, impl, layers, batch, seq, fn, reps, warmup, info):
+    gpu, _host = time_us(fn, reps, warmup)
+    q = statistics.quantiles(gpu, n=10)
+    row = dict(what=what, impl=impl, N=STREAMS, H=HIDDEN, layers=layers, batch_size=batch, seq_len=seq,
+               tokens=batch * seq, gpu_median_us=f"{statistics.median(gpu):.1f}", gpu_p10_us=f"{q[0]:.1f}",
+               gpu_p90_us=f"{q[-1]:.1f}", wall_median_us=f"{_wall_us(fn, reps):.1f}", **info)
+    print(f"{what:>14} {impl:>20} {batch}x{seq}: GPU {row['gpu_median_us']} us, wall {row['wall_median_us']} us",
+          flush=True)
+    return row
+
+
+def bench_altup_step(shapes, reps, warmup, info):
+    rows = []
+    torch.manual_seed(0)
+    eager = AltUpStack(LAYERS, HIDDEN, ours=False).to("cuda", torch.bfloat16).train()
+    ours = copy.deepcopy(eager)
+    ours.ours = True
+    gemma3n.patch(ours)
+    compiled = torch.compile(eager)
+    for batch, seq in shapes:
+        x = torch.randn(batch, seq, HIDDEN, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+        grad = torch.randn(batch, seq, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        for impl, model in (("altup_cupy", ours), ("transformers_eager", eager), ("torch_compile", compiled)):
+            row = _guarded(lambda: _row("altup_step", impl, LAYERS, batch, seq, _training_call(model, x, grad),
+                                        reps, warmup, info), f"{impl} {batch}x{seq}")
+            rows += [row] if row else []
+    return rows
+
+
+def _guarded(measure, what):
+    """One measurement; a failure (out of memory, a compile error) is reported and skipped, not fatal."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001  (the other rows are still worth having)
+        print(f"FAILED {what}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _optimizer_step(model, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench_model_step(reps, warmup, info, batch=4, seq=1024):
+    """One AdamW training step of a small Gemma3nForCausalLM (E2B's width, 4 layers)."""
+    config = tiny_text_config(streams=STREAMS, hidden=HIDDEN, layers=4, vocab_size=8192,
+                              vocab_size_per_layer_input=8192, intermediate_size=8192, num_attention_heads=8,
+                              head_dim=256, hidden_size_per_layer_input=256, laurel_rank=64, sliding_window=512,
+                              max_position_embeddings=seq)
+    torch.manual_seed(0)
+    base = modeling.Gemma3nForCausalLM(config).to("cuda", torch.bfloat16).train()
+    ids = torch.randint(3, config.vocab_size, (batch, seq), device="cuda")
+    rows = []
+    for impl in ("transformers_eager", "altup_cupy"):
+        model = copy.deepcopy(base)
+        if impl == "altup_cupy":
+            gemma3n.patch(model)
+        step = _optimizer_step(model, ids)
+        row = _guarded(lambda: _row("model_step", impl, config.num_hidden_layers, batch, seq, step, reps, warmup,
+                                    info), f"model step {impl}")
+        rows += [row] if row else []
+    return rows
+
+
+def run_tests(quick: bool, log: Path) -> int:
+    command = [sys.executable, "-m", "pytest", "-v", "-rs", "tests/test_gemma3n_gpu.py",
+               "tests/test_gemma3n_reference.py", "tests/test_gemma3n_torch.py", "tests/test_gemma3n_patch.py"]
+    if quick:
+        command += ["-x", "-k", "not 4099 and not training"]
+    print("$", " ".join(command), flush=True)
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                            env={**os.environ, "ALTUP_REQUIRE_GPU": "1", "PYTHONPATH": str(REPO_ROOT)})
+    log.write_text(result.stdout + result.stderr)
+    print(result.stdout[-3000:], result.stderr[-2000:], sep="\n", flush=True)
+    return result.returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, repetitions and tests")
+    parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "gemma3n_training_step.csv")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    status = 0 if args.no_tests else run_tests(args.quick, args.out.with_name("gemma3n_gpu_tests.log"))
+    reps, warmup = (5, 2) if args.quick else (20, 3)
+    info = run_info()
+    rows = bench_altup_step(QUICK_SHAPES if args.quick else SHAPES, reps, warmup, info)
+    rows += bench_model_step(reps, warmup, info)
+    with args.out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.out}; tests {'passed' if status == 0 else 'FAILED (see the log)'}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

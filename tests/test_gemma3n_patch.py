@@ -1,0 +1,173 @@
+"""altup_cupy.gemma3n.patch on a tiny real Gemma3nTextModel on the CPU (through the operators'
+float32 CPU implementations): the same outputs and parameter gradients as transformers' own code."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from gemma3n_support import tiny_text_config, transformers_gemma3n
+
+modeling = transformers_gemma3n()
+import altup_cupy.gemma3n as gemma3n  # noqa: E402  (needs transformers)
+from altup_cupy import torch as altup  # noqa: E402
+
+FP32_TOL = dict(rtol=2e-4, atol=2e-5)  # two fp32 evaluation orders of the same math
+# Gradients after a few layers of attention carry fp32 cancellation in single elements: compared
+# normwise, relative to the largest element of the tensor (what fp32 rounding errors scale with).
+GRAD_NORMWISE_TOL = 1e-4
+
+
+def _assert_close_normwise(actual, expected, what):
+    scale = expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    assert error <= GRAD_NORMWISE_TOL * scale + 1e-7, f"{what}: max error {error:.3g} vs max |grad| {scale:.3g}"
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    gemma3n.unpatch()
+
+
+def _model(seed, streams=4, active=0, clip=120.0, layers=2):
+    torch.manual_seed(seed)
+    model = modeling.Gemma3nTextModel(tiny_text_config(streams=streams, active_idx=active, coef_clip=clip,
+                                                       layers=layers))
+    with torch.no_grad():  # coefficients of a trained model's size (transformers initialises them to 0)
+        for layer in model.layers:
+            layer.altup.prediction_coefs.weight.normal_(0.0, 0.5)
+            layer.altup.correction_coefs.weight.normal_(0.0, 0.5)
+            layer.altup.correct_output_scale.normal_(1.0, 0.2)
+    return model
+
+
+def _run(model, ids, grad_seed):
+    out = model(input_ids=ids).last_hidden_state
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed))
+    out.backward(grad)
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """How often the patched code reached each altup_cupy.torch function."""
+    calls = dict.fromkeys(("predict", "correct", "expand", "collapse"), 0)
+    for name in calls:
+        function = getattr(altup, name)
+
+        def counted(*args, _name=name, _function=function, **kwargs):
+            calls[_name] += 1
+            return _function(*args, **kwargs)
+
+        monkeypatch.setattr(altup, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("streams,active", [(2, 1), (3, 0), (4, 0), (4, 3)])
+@pytest.mark.parametrize("clip", (120.0, 0.3))
+def test_patched_model_matches_transformers(seeds, op_calls, streams, active, clip):
+    model = _model(seeds(), streams, active, clip).train()
+    patched = copy.deepcopy(model)
+    ids = torch.randint(3, 64, (2, 9))
+    grad_seed = seeds()
+    expected_out, expected_grads = _run(model, ids, grad_seed)
+    gemma3n.patch(patched, serve_cpu=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn: none may happen here
+        out, grads = _run(patched, ids, grad_seed)
+    layers = len(model.layers)
+    assert op_calls == {"predict": layers, "correct": layers, "expand": 1, "collapse": 1}
+    torch.testing.assert_close(out, expected_out, **FP32_TOL)
+    assert grads.keys() == expected_grads.keys()
+    for name, g in grads.items():
+        _assert_close_normwise(g, expected_grads[name], name)
+    if clip < 1:  # training mode clamped the prediction weights in place, in both models
+        for a, b in zip(model.layers, patched.layers):
+            assert a.altup.prediction_coefs.weight.abs().max() <= clip
+            torch.testing.assert_close(a.altup.prediction_coefs.weight, b.altup.prediction_coefs.weight)
+        assert any((layer.altup.correction_coefs.weight.abs() > clip).any() for layer in model.layers)
+
+
+def test_eval_mode_does_not_clip(seeds, op_calls):
+    model = _model(seeds(), clip=0.3).eval()
+    before = [layer.altup.prediction_coefs.weight.clone() for layer in model.layers]
+    patched = copy.deepcopy(model)
+    gemma3n.patch(patched, serve_cpu=True)
+    ids = torch.randint(3, 64, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
+                                   **FP32_TOL)
+    for layer, w in zip(patched.layers, before):
+        assert torch.equal(layer.altup.prediction_coefs.weight, w)
+
+
+def test_patch_and_unpatch_restore_the_classes():
+    originals = {name: modeling.Gemma3nTextAltUp.__dict__[name] for name in ("predict", "correct")}
+    forward = modeling.Gemma3nTextModel.__dict__["forward"]
+    gemma3n.patch()
+    gemma3n.patch()  # twice: still one layer of patching
+    assert modeling.Gemma3nTextAltUp.predict is not originals["predict"]
+    assert modeling.Gemma3nTextModel.forward is not forward
+    gemma3n.unpatch()
+    assert all(modeling.Gemma3nTextAltUp.__dict__[n] is f for n, f in originals.items())
+    assert modeling.Gemma3nTextModel.__dict__["forward"] is forward
+
+
+def test_class_patch_serves_new_models(seeds, op_calls):
+    gemma3n.patch(serve_cpu=True)
+    model = _model(seeds())
+    model(input_ids=torch.randint(3, 64, (1, 4)))
+    assert op_calls == {"predict": 2, "correct": 2, "expand": 1, "collapse": 1}
+
+
+def test_instance_patch_and_unpatch(seeds, op_calls):
+    model, other = _model(seeds()), _model(seeds())
+    gemma3n.patch(model, serve_cpu=True)
+    other(input_ids=torch.randint(3, 64, (1, 4)))
+    assert sum(op_calls.values()) == 0  # only the patched instance changed
+    model(input_ids=torch.randint(3, 64, (1, 4)))
+    assert op_calls["predict"] == 2
+    gemma3n.unpatch(model)
+    assert all("predict" not in layer.altup.__dict__ for layer in model.layers)
+    assert "forward" not in model.__dict__
+
+
+def test_unserved_calls_warn_and_run_transformers_code(seeds, op_calls):
+    """CPU tensors without serve_cpu: a warning, and exactly transformers' result."""
+    model = _model(seeds()).eval()
+    patched = copy.deepcopy(model)
+    gemma3n.patch(patched)
+    ids = torch.randint(3, 64, (1, 6))
+    with pytest.warns(UserWarning, match="runs transformers' own code for tensors on cpu"):
+        out = patched(input_ids=ids).last_hidden_state
+    assert sum(op_calls.values()) == 0
+    assert torch.equal(out, model(input_ids=ids).last_hidden_state)
+
+
+def test_unrecognised_forward_keeps_expansion_and_collapse(seeds, monkeypatch, op_calls):
+    monkeypatch.setattr(gemma3n, "_EXPANSION", gemma3n.re.compile("no such code"))
+    with pytest.warns(UserWarning, match="stay transformers' own"):
+        gemma3n.patch(serve_cpu=True)
+    assert "forward" not in [name for (_, name) in gemma3n._originals]
+    _model(seeds())(input_ids=torch.randint(3, 64, (1, 4)))
+    assert op_calls["expand"] == 0 and op_calls["predict"] == 2
+
+
+def test_patch_refuses_other_models():
+    with pytest.raises(ValueError, match="no Gemma3nTextAltUp"):
+        gemma3n.patch(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        gemma3n.patch("gemma")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("hidden", (2048, 2560))
+def test_router_scale_is_the_buffer_value(hidden, dtype):
+    """The patch passes the router's input scale as transformers' buffer holds it (in bf16,
+    1/2560 is 0.1% off), computed without reading the buffer."""
+    module = modeling.Gemma3nTextAltUp(tiny_text_config(hidden=hidden)).to(dtype)
+    assert gemma3n._router_scale(module) == module.router_input_scale.item()

@@ -1,0 +1,147 @@
+"""altup_cupy.torch on the CPU: gradcheck in float64, fake shapes, torch.compile, named errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from altup_cupy import gemma3n_ops
+from altup_cupy import torch as altup
+from gemma3n_support import random_altup_inputs
+
+CASES = [(n, a) for n in (2, 3, 4) for a in range(n)]
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+@pytest.mark.parametrize("streams,active", CASES)
+def test_predict_and_correct_gradcheck(seeds, streams, active):
+    x = random_altup_inputs(seeds(), streams, batch=1, seq=2, hidden=8)
+    h, P, Q, R, w = _leaves(x.hidden_states, x.prediction_coefs, x.correction_coefs, x.router_weight, x.norm_weight)
+    layer = torch.randn(8, 8, dtype=torch.float64) / 3
+
+    def step(h, P, Q, R, w):
+        """predict -> a layer on the active prediction -> correct: two autograd nodes."""
+        pred = altup.predict(h, P, R, w, active, 1e-6)
+        activated = torch.tanh(pred[active] @ layer)
+        return altup.correct(pred, activated, Q, R, w, active, 1e-6)
+
+    assert torch.autograd.gradcheck(step, (h, P, Q, R, w))
+
+
+@pytest.mark.parametrize("streams", (2, 3, 4))
+def test_expand_and_collapse_gradcheck(seeds, streams):
+    x = random_altup_inputs(seeds(), streams, batch=1, seq=2, hidden=8)
+    e, *W = _leaves(x.activated, *x.projections)
+    s, *U = _leaves(x.hidden_states, *x.projections)
+    assert torch.autograd.gradcheck(lambda e, *W: altup.expand(e, W), (e, *W))
+    assert torch.autograd.gradcheck(lambda s, *U: altup.collapse(s, U), (s, *U))
+
+
+@pytest.mark.parametrize("streams", (2, 4))
+def test_ops_pass_opcheck(seeds, streams):
+    """torch.library.opcheck: schema, fake implementation and autograd registration agree."""
+    x = random_altup_inputs(seeds(), streams, batch=1, seq=2, hidden=8, dtype=torch.float32)
+    R, w = x.router_weight, x.norm_weight
+    hs, P, Q, act = _leaves(x.hidden_states, x.prediction_coefs, x.correction_coefs, x.activated)
+    ops = torch.ops.altup_cupy
+    projections = list(x.projections)
+    checks = [
+        (ops.predict, (hs, P, R, w, streams - 1, 1e-6, 0.125)),
+        (ops.correct, (hs, act, Q, R, w, 0, 1e-6, 0.125)),
+        (ops.expand, (act, projections, 1e-5)),
+        (ops.collapse, (hs, projections, 1e-5)),
+        (ops.predict_backward, (x.grad_streams, x.hidden_states, x.prediction_coefs, R, w, 0, 1e-6, 0.125)),
+        (ops.correct_backward, (x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, R, w, 1, 1e-6,
+                                0.125)),
+        (ops.collapse_backward, (x.grad_row, x.hidden_states, projections, 1e-5)),
+    ]
+    for op, args in checks:
+        torch.library.opcheck(op, args)
+
+
+def test_fake_shapes_and_dtypes():
+    with FakeTensorMode():
+        h = torch.empty(4, 2, 8, 16, dtype=torch.bfloat16)
+        act = torch.empty(2, 8, 16, dtype=torch.bfloat16)
+        P, Q = torch.empty(16, 4, dtype=torch.bfloat16), torch.empty(4, 4, dtype=torch.bfloat16)
+        R, w = torch.empty(4, 16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.bfloat16)
+        W = [torch.empty(16, 16, dtype=torch.bfloat16) for _ in range(3)]
+        ops = torch.ops.altup_cupy
+        assert ops.predict(h, P, R, w, 0, 1e-6, 1 / 16).shape == h.shape
+        assert ops.correct(h, act, Q, R, w, 0, 1e-6, 1 / 16).shape == h.shape
+        streams, projected = ops.expand(act, W, 1e-5)
+        assert streams.shape == (4, 2, 8, 16) and projected.shape == (2, 8, 3, 16)
+        assert ops.collapse(h, W, 1e-5).shape == act.shape
+        grads = ops.predict_backward(h, h, P, R, w, 0, 1e-6, 1 / 16)
+        assert [g.shape for g in grads] == [h.shape, P.shape, R.shape, w.shape]
+        assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+        grads = ops.correct_backward(h, h, act, Q, R, w, 0, 1e-6, 1 / 16)
+        assert [g.shape for g in grads] == [h.shape, act.shape, Q.shape, R.shape, w.shape]
+        grad_s, grad_u = ops.collapse_backward(act, h, W, 1e-5)
+        assert grad_s.shape == h.shape and [g.shape for g in grad_u] == [(16, 16)] * 3
+
+
+def test_compiles_fullgraph_on_cpu(seeds):
+    x = random_altup_inputs(seeds(), 4, dtype=torch.float32)
+    layer = torch.randn(16, 16) / 4
+
+    def model(embeddings, W, U, P, Q, R, w):
+        streams = altup.expand(embeddings, W)
+        pred = altup.predict(streams, P, R, w, 0, 1e-6)
+        corrected = altup.correct(pred, torch.tanh(pred[0] @ layer), Q, R, w, 0, 1e-6)
+        return altup.collapse(corrected, U)
+
+    inputs = _leaves(x.activated, x.projections, x.projections, x.prediction_coefs, x.correction_coefs,
+                     x.router_weight, x.norm_weight)
+    W, U = list(inputs[1].unbind()), list(inputs[2].unbind())
+    eager = model(inputs[0], W, U, *inputs[3:])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(inputs[0], W, U, *inputs[3:])
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    (g_eager,) = torch.autograd.grad(eager.sum(), inputs[3])
+    (g_compiled,) = torch.autograd.grad(compiled.sum(), inputs[3])
+    torch.testing.assert_close(g_compiled, g_eager, rtol=1e-6, atol=1e-6)
+
+
+def test_named_errors(seeds):
+    x = random_altup_inputs(seeds(), 3, dtype=torch.float32)
+    with pytest.raises(ValueError, match="prediction_coefs must have shape"):
+        altup.predict(x.hidden_states, x.correction_coefs, x.router_weight, x.norm_weight, 0)
+    with pytest.raises(ValueError, match="active_idx must satisfy"):
+        altup.correct(x.hidden_states, x.activated, x.correction_coefs, x.router_weight, x.norm_weight, 3)
+    with pytest.raises(ValueError, match="must hold N-1 = 2"):
+        altup.collapse(x.hidden_states, list(x.projections[:1]))
+    with pytest.raises(ValueError, match="activated must have shape"):
+        altup.correct(x.hidden_states, x.activated[:, :1], x.correction_coefs, x.router_weight, x.norm_weight, 0)
+
+
+def test_cuda_serves_names_the_limits():
+    assert gemma3n_ops.cuda_serves(4, 2048) is None and gemma3n_ops.cuda_serves(4, 2560) is None
+    assert "N = 5" in gemma3n_ops.cuda_serves(5, 2048)
+    assert "H = 2052" in gemma3n_ops.cuda_serves(4, 2052)
+    assert "H = 4096" in gemma3n_ops.cuda_serves(4, 4096)
+
+
+def test_inputs_not_mutated(seeds):
+    x = random_altup_inputs(seeds(), 4, dtype=torch.float32)
+    before = [t.clone() for t in (x.hidden_states, x.activated, x.router_weight)]
+    pred = altup.predict(x.hidden_states, x.prediction_coefs, x.router_weight, x.norm_weight, 2)
+    altup.correct(pred, x.activated, x.correction_coefs, x.router_weight, x.norm_weight, 2)
+    for b, a in zip(before, (x.hidden_states, x.activated, x.router_weight)):
+        assert torch.equal(a, b)
+
+
+def test_cuda_input_checks_name_the_argument():
+    """What the CUDA implementations refuse, checked on CPU tensors (the checks read only metadata)."""
+    good = torch.zeros(4, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="hidden_states must be bfloat16 on CUDA, got torch.float32"):
+        gemma3n_ops._check_cuda([("hidden_states", good.float())], 4, 64)
+    with pytest.raises(ValueError, match="router_weight must be contiguous"):
+        gemma3n_ops._check_cuda([("hidden_states", good), ("router_weight", good[0, 0].T)], 4, 64)
+    with pytest.raises(ValueError, match="norm_weight must be 16-byte aligned"):
+        gemma3n_ops._check_cuda([("hidden_states", good), ("norm_weight", good.flatten()[1:65])], 4, 64)
+    with pytest.raises(ValueError, match="do not take N = 5 streams"):
+        gemma3n_ops._check_cuda([("hidden_states", good)], 5, 64)
