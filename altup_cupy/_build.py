@@ -120,13 +120,12 @@ class KernelSource:
 
         arch = self.target_arch(check_supported(device))
         if arch.endswith("a"):
-            # CuPy picks the plain architecture itself; an sm_90a cubin is built here and loaded.
+            # CuPy picks the plain architecture itself; an sm_90a cubin is built here and loaded
+            # from a file that lives as long as the process (CuPy may read it lazily).
             build = compile_offline(self, arch)
-            with tempfile.TemporaryDirectory() as folder:
-                path = Path(folder) / "module.cubin"
-                path.write_bytes(build.cubin)
-                module = cupy.RawModule(path=str(path))
-            return _NamedModule(module, build.lowered_names)
+            with tempfile.NamedTemporaryFile(prefix="altup_cupy_", suffix=".cubin", delete=False) as file:
+                file.write(build.cubin)
+            return _NamedModule(cupy.RawModule(path=file.name), build.lowered_names)
         return cupy.RawModule(code=self.code(), options=self.options(),
                               name_expressions=list(self.name_expressions))
 

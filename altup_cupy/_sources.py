@@ -72,10 +72,8 @@ def _per_stream(name: str, value) -> dict[str, int]:
 
 
 _PARTIALS = _per_stream("PARTIAL_COEF_FLOATS", lambda n: partial_stride(n, 0))
-_COLLAPSE = {}
-for _tier, (_most, _threads) in enumerate(COLLAPSE_LAUNCH_BOUNDS):
-    _COLLAPSE[f"COLLAPSE_SLICES_{_tier}"] = _most
-    _COLLAPSE[f"COLLAPSE_THREADS_{_tier}"] = _threads
+_COLLAPSE = {f"COLLAPSE_{kind}_{tier}": value for tier, bound in enumerate(COLLAPSE_LAUNCH_BOUNDS)
+             for kind, value in zip(("SLICES", "THREADS"), bound)}
 
 
 COLLAPSE_V1 = KernelSource(
