@@ -131,6 +131,15 @@ PREDICT_CORRECT_BACKWARD_V4 = KernelSource(
              "V4_STATIC_SHARED_BOUND": V4_STATIC_SHARED_BOUND, **_PARTIALS},
 )
 
+# Hopper only: v4 with the weight gradients' cross-block sum in the kernel (v4's defines: it
+# includes v4's source for its helpers).
+PREDICT_CORRECT_BACKWARD_V5 = KernelSource(
+    "predict_correct_backward_v5.cu",
+    tuple(f"predict_correct_backward_v5<{n}, {a}>" for n in SUPPORTED_STREAMS for a in range(n)),
+    min_arch=90,
+    defines=PREDICT_CORRECT_BACKWARD_V4.defines,
+)
+
 ALL_SOURCES = (
     COLLAPSE_V1,
     COLLAPSE_V2,
@@ -139,4 +148,5 @@ ALL_SOURCES = (
     PREDICT_CORRECT_BACKWARD_V2,
     PREDICT_CORRECT_BACKWARD_V3,
     PREDICT_CORRECT_BACKWARD_V4,
+    PREDICT_CORRECT_BACKWARD_V5,
 )
