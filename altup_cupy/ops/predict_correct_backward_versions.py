@@ -1,5 +1,7 @@
 """The predict-correct backward's kernel versions and their launch plans (docs/SPEC.md section 2).
 
+v5 (Hopper): v4 whose last blocks to finish sum the weight-gradient partials (arrival tickets,
+    fixed order): one launch, no reduce kernel.
 v4 (Hopper): v3's arithmetic with each token's rows streamed into a ring of shared-memory stages
     by the bulk-copy engine (cp.async.bulk completing on an mbarrier), two tokens ahead of the
     compute, and the per-token scalar phase on a dedicated warp one token behind; one block per SM.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Iterator
 
 import torch
@@ -291,13 +294,74 @@ def _v4_plan_with_stages(streams, active, tokens, hidden, device, stages_overrid
         return _build_v4_plan(streams, active, tokens, hidden, device, stages_override)
 
 
-def _build_v4_plan(streams, active, tokens, hidden, device, stages_override) -> FusedPlan:
-    kernel = S.PREDICT_CORRECT_BACKWARD_V4.kernel(f"predict_correct_backward_v4<{streams}, {active}>")
+def _ring_launch(kernel, streams, tokens, hidden, device, stages_override) -> tuple[int, int, int, int]:
+    """(stages, dynamic shared bytes, threads, blocks) of a v4-style ring kernel (v4, v5)."""
     stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, stages_override)
     shared = v4_shared_bytes(streams, hidden, stages)
     threads = v4_threads(hidden)
-    blocks = _grid(kernel, threads, shared, 1, tokens, device, carveout_shared=True)
+    return stages, shared, threads, _grid(kernel, threads, shared, 1, tokens, device, carveout_shared=True)
+
+
+def _build_v4_plan(streams, active, tokens, hidden, device, stages_override) -> FusedPlan:
+    kernel = S.PREDICT_CORRECT_BACKWARD_V4.kernel(f"predict_correct_backward_v4<{streams}, {active}>")
+    stages, shared, threads, blocks = _ring_launch(kernel, streams, tokens, hidden, device, stages_override)
     return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden, (stages,), ("i32",))
+
+
+# ---- v5 -----------------------------------------------------------------------------------------
+
+V5_EXTRA_ARGS = ("i32", "ptr", "i32", "ptr", "ptr", "ptr", "ptr")  # stages tickets group R w P Q
+
+
+def v5_group_size(blocks: int) -> int:
+    """Blocks per first-level group of v5's in-kernel reduction: about sqrt(blocks), so the
+    group's last block and the last group each sum about sqrt(blocks) partial rows."""
+    return math.isqrt(blocks - 1) + 1  # ceil(sqrt(blocks))
+
+
+def v5_ticket_count(blocks: int) -> int:
+    """v5's arrival counters: one per group, then one over the groups."""
+    return _ceil_div(blocks, v5_group_size(blocks)) + 1
+
+
+class V5Plan:
+    """v4's ring kernel that also sums the weight-gradient partials: one launch. The kernel's
+    arrival counters must be zero at launch and are reset by the kernel; one set per stream, so
+    launches on different streams never share them. Under CUDA-graph capture each call takes
+    fresh counters zeroed inside the graph (a replay may run on any stream, beside eager calls)."""
+
+    def __init__(self, kernel, threads: int, shared: int, blocks: int, stages: int, streams: int,
+                 tokens: int, hidden: int):
+        self.main = PackedLaunch(kernel, threads, shared, MAIN_ARGS + V5_EXTRA_ARGS)
+        self.blocks, self.stages, self.group_size = blocks, stages, v5_group_size(blocks)
+        self.partial_floats = blocks * S.partial_stride(streams, hidden)
+        self.tokens, self.hidden = tokens, hidden
+        self._tickets: dict[int, torch.Tensor] = {}  # stream -> counters (eager launches)
+
+    def _counters(self, stream: int, device: torch.device) -> torch.Tensor:
+        fresh = lambda: torch.zeros(v5_ticket_count(self.blocks), dtype=torch.int32, device=device)  # noqa: E731
+        if torch.cuda.is_current_stream_capturing():
+            return fresh()
+        if stream not in self._tickets:
+            self._tickets[stream] = fresh()  # zeroed on the launch stream (the current one): ordered
+        return self._tickets[stream]
+
+    def __call__(self, inputs, outs, eps: float, stream: int) -> None:
+        device = inputs[0].device
+        with torch.cuda.device(device):
+            tickets = self._counters(stream, device)
+            partials = torch.empty(self.partial_floats, dtype=torch.float32, device=device)
+        _, _, grad_P, grad_Q, grad_R, grad_w = outs
+        self.main(stream, self.blocks, *(t.data_ptr() for t in inputs), outs[0].data_ptr(),
+                  outs[1].data_ptr(), partials.data_ptr(), self.hidden, self.tokens, eps, self.stages,
+                  tickets.data_ptr(), self.group_size, grad_R.data_ptr(), grad_w.data_ptr(),
+                  grad_P.data_ptr(), grad_Q.data_ptr())
+
+
+def _v5_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> V5Plan:
+    kernel = S.PREDICT_CORRECT_BACKWARD_V5.kernel(f"predict_correct_backward_v5<{streams}, {active}>")
+    stages, shared, threads, blocks = _ring_launch(kernel, streams, tokens, hidden, device, None)
+    return V5Plan(kernel, threads, shared, blocks, stages, streams, tokens, hidden)
 
 
 def _cached(build):
@@ -322,6 +386,8 @@ VERSIONS = {
     4: Version(4, "rows streamed into a shared-memory ring by the bulk-copy engine; scalar warp",
                (S.PREDICT_CORRECT_BACKWARD_V4, S.PREDICT_CORRECT_BACKWARD_REDUCE),
                v4_supported, _v4_plan),
+    5: Version(5, "v4 with the weight gradients' cross-block sum in the kernel (arrival tickets): one launch",
+               (S.PREDICT_CORRECT_BACKWARD_V5,), v4_supported, _cached(_v5_plan)),
 }
 # The default: the first of these that runs on the device and shape (v4 needs Hopper).
 PREFERENCE = (4, 3)
