@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from altup_cupy import __main__ as altup_main
 from altup_cupy import _paths
 from altup_cupy.__main__ import _gpu_of, main
 from altup_cupy._extras import MissingExtraError, require
@@ -54,6 +55,8 @@ def test_bench_without_gpu_replays_a_results_folder(tmp_path, monkeypatch, capsy
     results = tmp_path / "results" / "nvidia-l40s"
     write_synthetic(results)
     monkeypatch.chdir(tmp_path)
+    # the same on a GPU machine: `bench` must not measure here
+    monkeypatch.setattr(altup_main, "gpu_status", lambda: (False, "hidden by the test"))
     assert main(["bench", "--results-dir", str(results)]) == 0
     out = capsys.readouterr().out
     assert "Not measuring. Replaying" in out and "collapse forward, benchmark suite" in out
