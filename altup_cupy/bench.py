@@ -132,9 +132,12 @@ def time_us(fn: Callable[[], Any], reps: int, warmup: int,
     return [1e3 * s.elapsed_time(e) for s, e in zip(starts, ends)], host
 
 
-def host_cost_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 7, warmup: int = 20) -> float:
+def host_cost_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 15, warmup: int = 20) -> float:
     """Host time per call of `calls` back-to-back calls with no synchronisation between them (the
-    GPU runs behind), median over `rounds`: what issuing the op costs a program's thread."""
+    GPU runs behind), median over `rounds`: what issuing the op costs a program's thread. Python's
+    garbage collector is paused while timing (as `timeit` does): a collection of a process holding
+    torch's objects takes milliseconds and would land on whichever call triggers it."""
+    import gc
     import time
 
     import torch
@@ -142,13 +145,20 @@ def host_cost_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 7, warmu
     for _ in range(warmup):
         fn()
     per_call = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append(1e6 * (time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call.append(1e6 * (time.perf_counter() - t0) / calls)
+            torch.cuda.synchronize()
+    finally:
+        if collecting:
+            gc.enable()
     return statistics.median(per_call)
 
 

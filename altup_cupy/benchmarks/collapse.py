@@ -1,5 +1,5 @@
 """The collapse forward in the benchmark: every version of this package's op against PyTorch, and
-the projection GEMMs alone three ways: as v1 issues them (cuBLAS on torch's handle), through
+the projection GEMMs alone three ways: as v1 issues them (cuBLASLt, planned once per shape), through
 torch.bmm(..., out_dtype=float32), and through CuPy's cuBLAS binding (how the package issued them
 before; that binding refuses to run during CUDA-graph capture)."""
 
@@ -76,20 +76,22 @@ def _gemms_alone(inputs):
     """The fp32-output projections exactly as v1 issues them, without the epilogue."""
     x, ws, y = _projection_operands(inputs)
     batch, rows, hidden = x.shape
-    return lambda: _cublas.gemm_bf16_f32(x.data_ptr(), ws.data_ptr(), y.data_ptr(), rows=rows, n=hidden,
-                                         k=hidden, batch=batch, x_batch_stride=x.stride(0),
-                                         w_batch_stride=ws.stride(0), y_batch_stride=y.stride(0))
+    gemm = _cublas.StridedBatchedGemm(rows=rows, n=hidden, k=hidden, batch=batch, x_batch_stride=x.stride(0),
+                                      w_batch_stride=ws.stride(0), y_batch_stride=y.stride(0))
+    workspace = torch.empty(gemm.workspace_bytes, dtype=torch.uint8, device=x.device)
+    return lambda: gemm(x.data_ptr(), ws.data_ptr(), y.data_ptr(), workspace.data_ptr(),
+                        torch.cuda.current_stream().cuda_stream)
 
 
 def _torch_gemms_alone(inputs):
-    """The same projections through torch.bmm with an fp32 output."""
+    """The same projections through torch.bmm with an fp32 output (cuBLAS as torch calls it)."""
     x, ws, y = _projection_operands(inputs)
     return lambda: torch.bmm(x, ws.transpose(1, 2), out_dtype=torch.float32, out=y)
 
 
 def _cupy_cublas_gemms_alone(inputs):
-    """The same projections through CuPy's cuBLAS binding (the package's GEMM path before it moved
-    to torch's, which CUDA graphs can capture)."""
+    """The same projections through CuPy's cuBLAS binding (the package's first GEMM path, which
+    CUDA graphs cannot capture)."""
     x, ws, y = _projection_operands(inputs)
     return lambda: cupy_cublas.gemm_bf16_f32(x, ws, y)
 

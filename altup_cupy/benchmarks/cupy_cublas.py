@@ -2,8 +2,8 @@
 
 Row-major `Y[b] = X[b] @ W[b]^T` as the column-major product `Y^T = W^T^T X^T` that cuBLAS computes:
 A = W with op T, B = X with op N, both read in place, fp32 C and fp32 compute. This is how the
-package ran the collapse's projections before it moved to torch's cuBLAS path: CuPy's binding
-refuses to run while a stream is capturing a CUDA graph.
+package first ran the collapse's projections: CuPy's binding refuses to run while a stream is
+capturing a CUDA graph.
 """
 
 from __future__ import annotations

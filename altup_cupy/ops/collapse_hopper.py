@@ -31,6 +31,7 @@ import torch
 
 from .. import _arrays, _sources
 from .._build import KernelSource, compile_offline
+from .._scratch import StreamScratch
 from .._sources import COLLAPSE_V1 as EPILOGUE_V1_SOURCE
 from .._sources import COLLAPSE_V2 as SOURCE
 from .._sources import SUPPORTED_STREAMS
@@ -352,29 +353,10 @@ def _prepare(hs_ptr: int, w_ptrs: Sequence[int], streams: int, rows: int, hidden
     return prepared
 
 
-_workspaces: dict = {}
-
-
-def _split_workspace(device: int, stream: int, elements: int):
-    """fp32 scratch for the K splits' partials, one per (device, stream), grown on demand."""
-    key = (device, stream)
-    workspace = _workspaces.get(key)
-    if workspace is None or workspace.numel() < elements:
-        workspace = _workspaces[key] = torch.empty(elements, dtype=torch.float32, device=f"cuda:{device}")
-    return workspace
-
-
-_row_counters: dict = {}
-
-
-def _row_counter_buffer(device: int, stream: int, row_tiles: int):
-    """v4's per-row-block unit counters, one zeroed buffer per (device, stream), grown on demand.
-    The kernel leaves every counter at zero when it finishes."""
-    key = (device, stream)
-    counters = _row_counters.get(key)
-    if counters is None or counters.numel() < row_tiles:
-        counters = _row_counters[key] = torch.zeros(row_tiles, dtype=torch.int32, device=f"cuda:{device}")
-    return counters
+# The K splits' fp32 partials, and v4's per-row-block unit counters (zeroed; the kernel leaves
+# every counter at zero when it finishes).
+_SPLIT_PARTIALS = StreamScratch()
+_ROW_COUNTERS = StreamScratch(zeroed=True)
 
 
 def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, stream: int,
@@ -398,7 +380,10 @@ def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, 
     expression = GEMM_V4 if fused is not None else GEMM_V3 if stats else GEMM_V2
     gemm = _function(SOURCE, expression, device, SHARED_BYTES)
     slab = (streams - 1) * rows * hidden
-    target = y.ptr if plan.splits == 1 else _split_workspace(device, stream, plan.splits * slab).data_ptr()
+    if plan.splits == 1:
+        target = y.ptr
+    else:
+        target = _SPLIT_PARTIALS.get(4 * plan.splits * slab, torch.device("cuda", device), stream).data_ptr()
     packed = pack_params(prepared.x_maps, prepared.w_maps, target, row_sumsq.ptr if stats else 0, plan, fused)
     params = ctypes.create_string_buffer(packed, PARAMS_BYTES)
     _launch(gemm, device, plan.grid, THREADS, SHARED_BYTES, stream, [params], expression)
@@ -455,7 +440,7 @@ def _collapse(hidden_states: Any, weights: Any, eps: float, version: int, out: A
     col_tiles = _ceil_div(hidden, BLOCK_N)
     row_sumsq = torch.empty((streams - 1, rows, col_tiles), dtype=torch.float32, device=hidden_states.device)
     if version == 4:
-        counters = _row_counter_buffer(device, stream, _ceil_div(rows, BLOCK_M))
+        counters = _ROW_COUNTERS.get(4 * _ceil_div(rows, BLOCK_M), torch.device("cuda", device), stream)
         _run_gemm(x, weights, y, row_sumsq, stream, FusedEpilogue(hs.ptr, out.data_ptr(), counters.data_ptr(), eps))
         return out
     launch_v3(x, weights, y, row_sumsq, stream)

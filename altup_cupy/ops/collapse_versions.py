@@ -1,10 +1,11 @@
 """The collapse's kernel versions and their launch plans (docs/SPEC.md section 1).
 
-v1: the projections y_k = x_k @ W_k^T by cuBLAS (bf16 in, fp32 out; one strided batched call
-when the weights are stacked, one per weight otherwise) on torch's handle and workspace for the
-current stream, so CUDA graphs capture them (`_cublas`), into an fp32 workspace; then one RawKernel
+v1: the projections y_k = x_k @ W_k^T by cuBLASLt (bf16 in, fp32 out; one strided batched call
+when the weights are stacked, one per weight otherwise; planned once per shape, on the current
+stream, so CUDA graphs capture them: `_cublas`), into an fp32 workspace; then one RawKernel
 (`collapse_epilogue_v1`) reads stream 0 and the projections once and writes the bf16 result. Rows
-are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections.
+are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One allocation a call
+holds the projections and cuBLASLt's workspace.
 """
 
 from __future__ import annotations
@@ -64,22 +65,25 @@ class V1Plan:
                 x_batch_stride=rows * hidden, w_batch_stride=hidden * hidden if stacked else 0,
                 y_batch_stride=count * hidden)
             for count in {count for _, count in self.blocks}}
+        projection_bytes = (streams - 1) * self.block_rows * hidden * 4
+        self.gemm_workspace_offset = -(-projection_bytes // 256) * 256
+        self.workspace_bytes = self.gemm_workspace_offset + max(g.workspace_bytes for g in self.gemms.values())
 
     def __call__(self, hidden_states: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
                  eps: float, stream: int) -> None:
         hidden, stream_elements = self.hidden, self.rows * self.hidden
-        workspace = torch.empty((self.streams - 1) * self.block_rows * hidden, dtype=torch.float32,
-                                device=hidden_states.device)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=hidden_states.device)
         hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()
+        gemm_ws = ws + self.gemm_workspace_offset
         w_ptrs = [w.data_ptr() for w in weights]
         for first, count in self.blocks:
             x = hs + 2 * (stream_elements + first * hidden)  # stream 1, row `first`
             gemm = self.gemms[count]
             if self.stacked:
-                gemm(x, w_ptrs[0], ws)
+                gemm(x, w_ptrs[0], ws, gemm_ws, stream)
             else:
                 for k, w in enumerate(w_ptrs):
-                    gemm(x + 2 * k * stream_elements, w, ws + 4 * k * count * hidden)
+                    gemm(x + 2 * k * stream_elements, w, ws + 4 * k * count * hidden, gemm_ws, stream)
             self.epilogue(stream, count, hs + 2 * first * hidden, ws, out_ptr + 2 * first * hidden,
                           hidden, count, eps)
 

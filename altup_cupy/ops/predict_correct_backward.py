@@ -9,6 +9,7 @@ path: validated inputs go straight to the cached launch plan of their shape.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -34,10 +35,10 @@ class PredictCorrectGrads(NamedTuple):
     grad_norm_weight: Any  # fp32 [H]
 
 
-def validate(g, hs, act, P, Q, R, w, active_idx, eps, launching: bool = False):
+def validate(g, hs, act, P, Q, R, w, active_idx, eps):
     """Named errors for anything the kernels cannot take; returns (N, B, S, H, a, eps, device).
-    launching: the tensors are about to be read by the kernels (real CUDA memory), so their
-    addresses are checked too."""
+    The common case (everything right) costs a few attribute reads per tensor; the checks in
+    their fixed order, with the messages, run only when one of them fails."""
     _arrays.check_tensor("grad_corrected", g, BF16, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = g.shape
     if streams not in SUPPORTED_STREAMS:
@@ -46,32 +47,54 @@ def validate(g, hs, act, P, Q, R, w, active_idx, eps, launching: bool = False):
         raise ValueError(f"hidden size H (grad_corrected dim 3) must be divisible by 8, got {hidden}")
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size H (grad_corrected dim 3) must be at most {MAX_HIDDEN}, got {hidden}")
-    n = streams
-    expected = ((streams, batch, seq, hidden, "N B S H"), (batch, seq, hidden, "B S H"),
-                (n * n, n, "N*N N"), (n, n, "N N"), (n, hidden, "N H"), (hidden, "H"))
-    named = [("grad_corrected", g)]
-    for name, t, shape in zip(INPUT_NAMES[1:], (hs, act, P, Q, R, w), expected):
-        _arrays.check_tensor(name, t, BF16, shape[:-1], shape[-1])
-        named.append((name, t))
+    n, device = streams, g.device
+    others = (hs, act, P, Q, R, w)
+    shapes = ((n, batch, seq, hidden), (batch, seq, hidden), (n * n, n), (n, n), (n, hidden), (hidden,))
+    for t, shape in zip(others, shapes):
+        if t.dtype != BF16 or t.shape != shape or not t.is_contiguous() or t.device != device:
+            _explain(g, others, shapes)
     a = _arrays.index_in_range("active_idx", active_idx, streams)
     eps = _arrays.positive_finite("eps", eps)
-    device = _arrays.check_devices(named)
-    if launching:
-        _arrays.check_aligned([named[i] for i in (0, 1, 2, 5, 6)])  # the rows read 16 bytes at a time
     return streams, batch, seq, hidden, a, eps, device
 
 
-def _empty_grads(streams, batch, seq, hidden, device):
-    def new(shape, dtype):
-        return torch.empty(shape, dtype=dtype, device=device)
-    return (new((streams, batch, seq, hidden), BF16), new((batch, seq, hidden), BF16),
-            new((streams * streams, streams), F32), new((streams, streams), F32),
-            new((streams, hidden), F32), new((hidden,), F32))
+def _explain(g, others, shapes):
+    """Raise the named error of the first check that fails, in the fixed order."""
+    dims = ("N B S H", "B S H", "N*N N", "N N", "N H", "H")
+    for name, t, shape, names in zip(INPUT_NAMES[1:], others, shapes, dims):
+        _arrays.check_tensor(name, t, BF16, shape, names)
+    _arrays.check_devices(list(zip(INPUT_NAMES, (g, *others))))
+    raise AssertionError("validate's fast check and its named checks disagree")  # a bug here
 
 
-def _run_cuda(inputs, active_idx, eps, version):
-    streams, batch, seq, hidden, a, eps, device = validate(*inputs, active_idx, eps, launching=True)
-    outs = _empty_grads(streams, batch, seq, hidden, device)
+def _empty_grads(g, act, separate_weight_grads):
+    """The six outputs, shaped and placed after grad_corrected and activated.
+    separate_weight_grads False: the four fp32 weight gradients are views of one allocation (one
+    call to the caching allocator instead of four; they stay as small as they are). The custom
+    operator keeps them separate, as its schema promises unaliased outputs."""
+    grad_hs, grad_act = torch.empty_like(g), torch.empty_like(act)
+    n, hidden, device = g.shape[0], g.shape[3], g.device
+    layouts = (((n * n, n), (n, 1)), ((n, n), (n, 1)), ((n, hidden), (hidden, 1)), ((hidden,), (1,)))
+    if separate_weight_grads:
+        return (grad_hs, grad_act, *(torch.empty(shape, dtype=F32, device=device) for shape, _ in layouts))
+    flat = torch.empty(n ** 3 + n * n + n * hidden + hidden, dtype=F32, device=device)
+    views, offset = [], 0
+    for shape, strides in layouts:
+        views.append(flat.as_strided(shape, strides, offset))
+        offset += math.prod(shape)
+    return (grad_hs, grad_act, *views)
+
+
+def _run_cuda(inputs, active_idx, eps, version, fast_path=False):
+    """fast_path: called by the public function, outside torch's dispatcher: the weight gradients
+    share one allocation and the scratch memory is reused (see _empty_grads, _scratch)."""
+    streams, batch, seq, hidden, a, eps, device = validate(*inputs, active_idx, eps)
+    pointers = tuple(t.data_ptr() for t in inputs)
+    # The rows are read 16 bytes at a time (and by the bulk-copy engine): a view into a larger
+    # tensor can start anywhere. The small coefficient matrices are read by scalar loads.
+    if (pointers[0] | pointers[1] | pointers[2] | pointers[5] | pointers[6]) % _arrays.VECTOR_ALIGNMENT:
+        _arrays.check_aligned([(INPUT_NAMES[i], inputs[i]) for i in (0, 1, 2, 5, 6)])
+    outs = _empty_grads(inputs[0], inputs[2], separate_weight_grads=not fast_path)
     tokens = batch * seq
     if tokens == 0:
         for weight_grad in outs[2:]:
@@ -79,7 +102,7 @@ def _run_cuda(inputs, active_idx, eps, version):
         return outs
     index = device.index
     plan = _version(version, streams, hidden, index).plan(streams, a, tokens, hidden, index)
-    plan(inputs, outs, eps, torch._C._cuda_getCurrentRawStream(index))
+    plan(pointers, outs, eps, torch._C._cuda_getCurrentRawStream(index), device, reuse_scratch=fast_path)
     return outs
 
 
@@ -151,7 +174,7 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     if not cupy_in:
         if _fast_path_applies(inputs):
             with _device.on(inputs[0].device):
-                return PredictCorrectGrads(*_run_cuda(inputs, active_idx, eps, version))
+                return PredictCorrectGrads(*_run_cuda(inputs, active_idx, eps, version, fast_path=True))
         return PredictCorrectGrads(*torch.ops.altup_cupy.predict_correct_backward(
             *inputs, active_idx, eps, version))
     with _arrays.cupy_caller_stream(inputs[0].device):

@@ -12,7 +12,8 @@ v2-v4 write per-block partials of the weight gradients that the reduce kernel su
 order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
 
 A plan is built once per (version, N, active index, tokens, H, device): launch shape, occupancy,
-packed launches. Calling it allocates the scratch through torch's caching allocator and launches.
+packed launches. Calling it takes the weight-gradient partials from scratch memory (`_scratch`:
+reused per stream on the eager fast path, else fresh) and launches.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from .. import _sources as S
 from .._launch import PackedLaunch
+from .._scratch import StreamScratch
 from ._registry import Version
 
 # Hopper's shared memory: at most 227 KiB per block.
@@ -35,6 +37,9 @@ MAX_HIDDEN = 8192
 V1_MAX_CHUNKS = 256  # token chunks of v1's weight-gradient reductions
 V4_MIN_STAGES = 3  # token j in pass 1, token j - 1 in pass 2, and one arriving
 MAIN_ARGS = ("ptr",) * 10 + ("i32", "i64", "f32")  # g hs act P Q R w grad_hs grad_act partials H M eps
+# Every fused version's per-block weight-gradient partials, and v5's arrival counters.
+_PARTIALS = StreamScratch()
+_TICKETS = StreamScratch(zeroed=True)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -83,9 +88,9 @@ class _Reduce:
         self.grid = _ceil_div(S.partial_stride(streams, hidden) // 4, 32)  # 32 float4 columns a block
         self.hidden = hidden
 
-    def __call__(self, stream: int, partials: torch.Tensor, blocks: int, outs) -> None:
+    def __call__(self, stream: int, partials: int, blocks: int, outs) -> None:
         _, _, grad_P, grad_Q, grad_R, grad_w = outs
-        self.launch(stream, self.grid, partials.data_ptr(), blocks, self.hidden, grad_R.data_ptr(),
+        self.launch(stream, self.grid, partials, blocks, self.hidden, grad_R.data_ptr(),
                     grad_w.data_ptr(), grad_P.data_ptr(), grad_Q.data_ptr())
 
 
@@ -101,11 +106,10 @@ class FusedPlan:
         self.partial_floats = blocks * S.partial_stride(streams, hidden)
         self.tokens, self.hidden = tokens, hidden
 
-    def __call__(self, inputs, outs, eps: float, stream: int) -> None:
-        partials = torch.empty(self.partial_floats, dtype=torch.float32, device=inputs[0].device)
-        self.main(stream, self.blocks, *(t.data_ptr() for t in inputs), outs[0].data_ptr(),
-                  outs[1].data_ptr(), partials.data_ptr(), self.hidden, self.tokens, eps,
-                  *self.extra_args)
+    def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
+        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch).data_ptr()
+        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials,
+                  self.hidden, self.tokens, eps, *self.extra_args)
         self.reduce(stream, partials, self.blocks, outs)
 
 
@@ -139,11 +143,11 @@ class V1Plan:
         self.chunks = _ceil_div(tokens, self.per_chunk)
         self.streams, self.active, self.tokens, self.hidden = streams, active, tokens, hidden
 
-    def __call__(self, inputs, outs, eps: float, stream: int) -> None:
+    def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
         n, a, M, H = self.streams, self.active, self.tokens, self.hidden
-        g, hs, act, P, Q, R, w = (t.data_ptr() for t in inputs)
+        g, hs, act, P, Q, R, w = pointers
         grad_hs, grad_act = outs[0].data_ptr(), outs[1].data_ptr()
-        f32 = dict(dtype=torch.float32, device=inputs[0].device)
+        f32 = dict(dtype=torch.float32, device=device)
         stats = torch.empty(M * S.token_stats_size(n), **f32)
         gx_p, gx_c = torch.empty(M * H, **f32), torch.empty(M * H, **f32)
         partials = torch.empty(self.chunks * S.partial_stride(n, H), **f32)
@@ -158,7 +162,7 @@ class V1Plan:
         self.weight_grads(stream, (_ceil_div(slices, S.V1_THREADS), self.chunks), hs, act, R, w, st, pa,
                           H, M, a, self.per_chunk)
         self.coef_grads(stream, (n**3 + n**2, self.chunks), st, pa, H, M, self.per_chunk)
-        self.reduce(stream, partials, self.chunks, outs)
+        self.reduce(stream, pa, self.chunks, outs)
 
 
 # ---- v2 -----------------------------------------------------------------------------------------
@@ -326,36 +330,25 @@ def v5_ticket_count(blocks: int) -> int:
 
 class V5Plan:
     """v4's ring kernel that also sums the weight-gradient partials: one launch. The kernel's
-    arrival counters must be zero at launch and are reset by the kernel; one set per stream, so
-    launches on different streams never share them. Under CUDA-graph capture each call takes
-    fresh counters zeroed inside the graph (a replay may run on any stream, beside eager calls)."""
+    arrival counters must be zero at launch and are reset by the kernel: they come from zeroed
+    scratch memory, per stream where it is reused, so launches on different streams never share
+    them (under CUDA-graph capture each call takes fresh counters, zeroed inside the graph)."""
 
     def __init__(self, kernel, threads: int, shared: int, blocks: int, stages: int, streams: int,
                  tokens: int, hidden: int):
         self.main = PackedLaunch(kernel, threads, shared, MAIN_ARGS + V5_EXTRA_ARGS)
         self.blocks, self.stages, self.group_size = blocks, stages, v5_group_size(blocks)
         self.partial_floats = blocks * S.partial_stride(streams, hidden)
+        self.ticket_bytes = 4 * v5_ticket_count(blocks)
         self.tokens, self.hidden = tokens, hidden
-        self._tickets: dict[int, torch.Tensor] = {}  # stream -> counters (eager launches)
 
-    def _counters(self, stream: int, device: torch.device) -> torch.Tensor:
-        fresh = lambda: torch.zeros(v5_ticket_count(self.blocks), dtype=torch.int32, device=device)  # noqa: E731
-        if torch.cuda.is_current_stream_capturing():
-            return fresh()
-        if stream not in self._tickets:
-            self._tickets[stream] = fresh()  # zeroed on the launch stream (the current one): ordered
-        return self._tickets[stream]
-
-    def __call__(self, inputs, outs, eps: float, stream: int) -> None:
-        device = inputs[0].device
-        with torch.cuda.device(device):
-            tickets = self._counters(stream, device)
-            partials = torch.empty(self.partial_floats, dtype=torch.float32, device=device)
+    def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
+        tickets = _TICKETS.get(self.ticket_bytes, device, stream, reuse_scratch).data_ptr()
+        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch).data_ptr()
         _, _, grad_P, grad_Q, grad_R, grad_w = outs
-        self.main(stream, self.blocks, *(t.data_ptr() for t in inputs), outs[0].data_ptr(),
-                  outs[1].data_ptr(), partials.data_ptr(), self.hidden, self.tokens, eps, self.stages,
-                  tickets.data_ptr(), self.group_size, grad_R.data_ptr(), grad_w.data_ptr(),
-                  grad_P.data_ptr(), grad_Q.data_ptr())
+        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials,
+                  self.hidden, self.tokens, eps, self.stages, tickets, self.group_size,
+                  grad_R.data_ptr(), grad_w.data_ptr(), grad_P.data_ptr(), grad_Q.data_ptr())
 
 
 def _v5_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> V5Plan:
