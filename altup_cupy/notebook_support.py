@@ -4,6 +4,8 @@
 - `mode()`: "gpu" when CuPy and torch both see a CUDA device, else "cpu" (the notebooks then
   replay the recorded CSVs); `ALTUP_NOTEBOOK_MODE=cpu` forces CPU mode, `=gpu` demands a GPU.
   It prints the notebook's first line: what ran, on which GPU, at which commit.
+- `checkout_commit()`: the commit of the code the notebook runs (its derivations, kernel sources).
+- `version_table(op, rows)`: the op's kernel versions as its registry lists them, for the text.
 - `kernel_source(name)`: one kernel's (or device function's) source with the comment block above
   it, found in the package's .cu/.cuh files, so a notebook shows the code it explains.
 - `ncu_launches(filename)`: the profiled launches of a recorded Nsight Compute report, each with
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from pathlib import Path
@@ -20,7 +23,7 @@ from typing import Sequence
 
 from ._device import gpu_status
 from ._paths import RECORDED_RESULTS_DIR, REPO_ROOT
-from .bench import csv_path, read_csv
+from .bench import csv_path, read_csv, run_info
 from .figures import parse_rows
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -45,6 +48,11 @@ def recorded_provenance(folder: Path | None = None) -> dict:
     return {key: ", ".join(sorted(values)) or "unknown" for key, values in seen.items()}
 
 
+def checkout_commit() -> str:
+    """The git commit of this checkout (ALTUP_GIT_SHA if set; the package version if installed)."""
+    return run_info()["git_sha"]
+
+
 def mode(verbose: bool = True) -> str:
     """'gpu' or 'cpu', printing which, why, and what the outputs below come from."""
     forced = os.environ.get("ALTUP_NOTEBOOK_MODE", "").strip().lower()
@@ -54,8 +62,6 @@ def mode(verbose: bool = True) -> str:
     chosen = "gpu" if usable and forced != "cpu" else "cpu"
     if verbose:
         if chosen == "gpu":
-            from .bench import run_info
-
             info = run_info()
             print(f"GPU mode: measured live on {info['gpu']}, altup_cupy at git {info['git_sha']} "
                   f"({info['date']}).")
@@ -64,7 +70,8 @@ def mode(verbose: bool = True) -> str:
             folder = results_dir()
             rec = recorded_provenance(folder)
             print(f"CPU mode ({reason}).\nReplaying the recorded CSVs of altup_cupy at git {rec['git_sha']}, "
-                  f"recorded on {rec['gpu']} ({rec['date']}), from {folder.relative_to(REPO_ROOT)}/.")
+                  f"recorded on {rec['gpu']} ({rec['date']}), from {folder.relative_to(REPO_ROOT)}/; "
+                  f"derivations and kernel sources from altup_cupy at git {checkout_commit()}.")
     return chosen
 
 
@@ -157,6 +164,24 @@ def ncu_excerpt(launch: dict, keys: Sequence[str]) -> str:
     """The launch's header and its report lines containing any of `keys`, as they are in the file."""
     picked = [line.rstrip() for line in launch["lines"][1:] if any(k in line for k in keys)]
     return "\n".join([launch["header"][:100] + " ...", *picked])
+
+
+def version_table(op: str, rows: Sequence[dict] = ()) -> str:
+    """Markdown: `op`'s kernel versions as its registry (`altup_cupy.ops.<op>_versions`) lists them,
+    with the compute capability each needs, what it changed, whether `rows` hold it as its own
+    `altup_cupy_v<n>` line, and the order in which the default `altup_cupy` picks among them."""
+    registry = importlib.import_module(f"{__package__}.ops.{op}_versions")
+    listed = {row["impl"] for row in rows}
+    lines = ["| version | needs compute capability | what it changed | its own line in these results |",
+             "|---|---:|---|---|"]
+    for number, version in sorted(registry.VERSIONS.items()):
+        capability = version.min_compute_capability
+        name = f"altup_cupy_v{number}"
+        lines.append(f"| v{number} | {capability // 10}.{capability % 10} | {version.note} | "
+                     f"{f'`{name}`' if name in listed else 'no'} |")
+    order = ", else ".join(f"v{number}" for number in registry.PREFERENCE)
+    return "\n".join(lines) + (f"\n\nThe default, `altup_cupy`, runs {order}: the first that serves the "
+                               "GPU and the shape (so the default's own version has no line of its own).")
 
 
 def recorded_rows(op: str, suite: str = "benchmark") -> list[dict]:

@@ -57,3 +57,30 @@ def test_kernel_source_quotes_a_definition_with_its_file():
     assert nbs.file_header("block_sum").startswith("// altup_cupy/")
     with pytest.raises(KeyError, match="no_such_kernel"):
         nbs.kernel_source("no_such_kernel")
+
+
+def test_cpu_mode_names_the_recorded_commit_and_the_checkout_commit(fake_results, monkeypatch, capsys):
+    fake_results.mkdir(parents=True)
+    (fake_results / "bench_collapse_benchmark.csv").write_text(
+        "impl,gpu,git_sha,date\naltup_cupy,NVIDIA H200,0123abc,2026-12-02T13:39Z\n")
+    monkeypatch.setattr(nbs, "REPO_ROOT", fake_results.parent.parent)
+    monkeypatch.setenv("ALTUP_NOTEBOOK_MODE", "cpu")
+    monkeypatch.setenv("ALTUP_GIT_SHA", "feedbee")
+    assert nbs.checkout_commit() == "feedbee"
+    assert nbs.mode() == "cpu"
+    printed = capsys.readouterr().out
+    assert printed.startswith("CPU mode (")
+    assert "CSVs of altup_cupy at git 0123abc" in printed and "NVIDIA H200 (2026-12-02)" in printed
+    assert "kernel sources from altup_cupy at git feedbee" in printed
+
+
+@pytest.mark.parametrize("op", ["collapse", "predict_correct_backward"])
+def test_version_table_lists_every_registered_version_and_the_default_order(op):
+    import importlib
+
+    registry = importlib.import_module(f"altup_cupy.ops.{op}_versions")
+    table = nbs.version_table(op, [{"impl": "altup_cupy_v1"}, {"impl": "torch_eager"}])
+    rows = [line for line in table.splitlines()[2:] if line.startswith("| v")]
+    assert [row.split(" | ")[0] for row in rows] == [f"| v{n}" for n in sorted(registry.VERSIONS)]
+    assert "`altup_cupy_v1`" in rows[0] and all(row.endswith("| no |") for row in rows[1:])
+    assert f"runs v{registry.PREFERENCE[0]}" in table
