@@ -17,7 +17,8 @@ the same code:
 Plus one whole training step (forward, backward, AdamW) of a small Gemma3nForCausalLM with and
 without the patch. GPU time: CUDA events around each call, L2 flushed before it, median (the
 harness of altup_cupy.bench); wall time: host clock from issue to completion (synchronised),
-median. Rows go to results/gemma3n_training_step.csv, the test log to results/gemma3n_gpu_tests.log.
+median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
+the test log next to them as gemma3n_gpu_tests.log.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 import altup_cupy.gemma3n as gemma3n  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
+from altup_cupy._paths import results_dir  # noqa: E402
 from altup_cupy.bench import run_info, time_us  # noqa: E402
 from altup_cupy.reference import gemma3n as ref  # noqa: E402
 from gemma3n_support import tiny_text_config  # noqa: E402
@@ -197,11 +199,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes, repetitions and tests")
     parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "gemma3n_training_step.csv")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the CSV (default: results/<gpu name>/gemma3n_training_step.csv)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.out is None:
+        args.out = results_dir(torch.cuda.get_device_name()) / "gemma3n_training_step.csv"
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")

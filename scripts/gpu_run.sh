@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of altup_cupy on this machine's NVIDIA GPU, in the current Python environment.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, bench, notebooks, sweep
-#                                           (default: tests bench notebooks)
+#   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, bench, gemma3n, notebooks, sweep
+#                                           (default: tests bench gemma3n notebooks)
 #
 # Set up first (README, "Install"): a CUDA build of torch, then pip install -e ".[gpu,dev]".
 # Everything lands in one folder, ALTUP_RESULTS_DIR (default: results/<gpu name>/ of this
@@ -10,7 +10,9 @@
 #   run_info.txt         GPU, driver, versions, commit; each stage's exit code and duration
 #   gpu_tests.log        the test suite with ALTUP_REQUIRE_GPU=1 (no GPU test may be skipped)
 #   bench_*.csv          the benchmark of every implementation on every workload, and bench.log
-#                        (figures: figures/ for the H200, <results folder>/figures/ for other GPUs)
+#                        (figures: figures/ for the H200, <results folder>/figures/ for other GPUs);
+#                        host_overhead.csv, each op's host cost per call against torch.matmul's
+#   gemma3n_training_step.csv, gemma3n.log   Gemma 3n's AltUp in a training step (scripts/bench_gemma3n.py)
 #   notebooks.log        notebooks/*.ipynb executed in place in GPU mode (scripts/execute_notebooks.sh)
 #   sweep_v4.csv, .log   the tuning sweep of backward v4 (Hopper GPUs only)
 # Each stage runs under a time limit of ALTUP_STAGE_LIMIT_S seconds (default 1800), so a hung
@@ -21,11 +23,11 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's package, also for scripts/
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests bench notebooks)
+[ ${#stages[@]} -gt 0 ] || stages=(tests bench gemma3n notebooks)
 for stage in "${stages[@]}"; do
   case $stage in
-    tests|bench|notebooks|sweep) ;;
-    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests bench notebooks sweep)" >&2; exit 2 ;;
+    tests|bench|gemma3n|notebooks|sweep) ;;
+    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests bench gemma3n notebooks sweep)" >&2; exit 2 ;;
   esac
 done
 limit=${ALTUP_STAGE_LIMIT_S:-1800}
@@ -61,6 +63,8 @@ for stage in "${stages[@]}"; do
       ALTUP_REQUIRE_GPU=1 run_stage "$results/gpu_tests.log" python3 -m pytest tests -v -rs -p no:cacheprovider ;;
     bench)
       run_stage "$results/bench.log" python3 -m altup_cupy bench --suite all --reps 50 --results-dir "$results" ;;
+    gemma3n)
+      run_stage "$results/gemma3n.log" python3 scripts/bench_gemma3n.py --no-tests --out "$results/gemma3n_training_step.csv" ;;
     notebooks)
       ALTUP_NOTEBOOK_MODE=gpu run_stage "$results/notebooks.log" bash scripts/execute_notebooks.sh ;;
     sweep)
