@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -36,6 +37,24 @@ def facts(index: int) -> tuple[int, str]:
             f"CUDA device {index} ({name}) has compute capability {major}.{minor}; altup_cupy's "
             "kernels need 8.0 or newer (Ampere, Ada, Hopper or later)")
     return 10 * major + minor, name
+
+
+# Set to a compute capability (e.g. 80) to have the default version chosen as on a GPU of at most
+# that capability: what an A100 would run, checked on a newer GPU. Explicitly requested versions
+# and the kernels' compile target still follow the GPU at hand.
+DISPATCH_CAP_VARIABLE = "ALTUP_MAX_COMPUTE_CAPABILITY"
+
+
+def default_dispatch_capability(capability: int) -> int:
+    """The compute capability that picks the default version: the device's, or less where
+    ALTUP_MAX_COMPUTE_CAPABILITY says so."""
+    value = os.environ.get(DISPATCH_CAP_VARIABLE, "").strip()
+    if not value:
+        return capability
+    if not value.isdigit() or int(value) < MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"{DISPATCH_CAP_VARIABLE} must be a compute capability written as an integer "
+                         f">= {MIN_COMPUTE_CAPABILITY} (e.g. 80 for 8.0), got {value!r}")
+    return min(capability, int(value))
 
 
 def check_supported(index: int) -> int:

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The GPU checks of altup_cupy on this machine's NVIDIA GPU, in the current Python environment.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, bench, gemma3n, notebooks, sweep
-#                                           (default: tests bench gemma3n notebooks)
+#   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, tests_portable, bench, gemma3n, notebooks,
+#                                           sweep (default: tests tests_portable bench gemma3n notebooks)
 #
 # Set up first (README, "Install"): a CUDA build of torch, then pip install -e ".[gpu,dev]".
 # Everything lands in one folder, ALTUP_RESULTS_DIR (default: results/<gpu name>/ of this
 # checkout, e.g. results/nvidia-h200/ on an H200):
 #   run_info.txt         GPU, driver, versions, commit; each stage's exit code and duration
-#   gpu_tests.log        the test suite with ALTUP_REQUIRE_GPU=1 (no GPU test may be skipped)
+#   gpu_tests.log        the tests marked gpu (the rest needs no GPU: CI runs it) with
+#                        ALTUP_REQUIRE_GPU=1 (no GPU test may be skipped for want of a GPU)
+#   gpu_tests_portable.log  the same with ALTUP_MAX_COMPUTE_CAPABILITY=80: the default versions
+#                        an sm_80 GPU runs (explicitly requested versions still run as here)
 #   bench_*.csv          the benchmark of every implementation on every workload, and bench.log
 #                        (figures: figures/ for the H200, <results folder>/figures/ for other GPUs);
 #                        host_overhead.csv, each op's host cost per call against torch.matmul's
@@ -23,11 +26,12 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's package, also for scripts/
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests bench gemma3n notebooks)
+[ ${#stages[@]} -gt 0 ] || stages=(tests tests_portable bench gemma3n notebooks)
 for stage in "${stages[@]}"; do
   case $stage in
-    tests|bench|gemma3n|notebooks|sweep) ;;
-    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests bench gemma3n notebooks sweep)" >&2; exit 2 ;;
+    tests|tests_portable|bench|gemma3n|notebooks|sweep) ;;
+    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests tests_portable bench gemma3n notebooks sweep)" >&2
+       exit 2 ;;
   esac
 done
 limit=${ALTUP_STAGE_LIMIT_S:-1800}
@@ -60,7 +64,10 @@ for stage in "${stages[@]}"; do
   start=$(date +%s)
   case $stage in
     tests)
-      ALTUP_REQUIRE_GPU=1 run_stage "$results/gpu_tests.log" python3 -m pytest tests -v -rs -p no:cacheprovider ;;
+      ALTUP_REQUIRE_GPU=1 run_stage "$results/gpu_tests.log" python3 -m pytest tests -m gpu -v -rs -p no:cacheprovider ;;
+    tests_portable)
+      ALTUP_MAX_COMPUTE_CAPABILITY=80 ALTUP_REQUIRE_GPU=1 run_stage "$results/gpu_tests_portable.log" \
+        python3 -m pytest tests -m gpu -q -rs -p no:cacheprovider ;;
     bench)
       run_stage "$results/bench.log" python3 -m altup_cupy bench --suite all --reps 50 --results-dir "$results" ;;
     gemma3n)

@@ -55,6 +55,23 @@ def _small(n, h, b, s, a=0, atol=0.0075):
     return Workload("predict_correct_backward", n, h, b, s, atol, 0.05, 1e-6, a)
 
 
+def test_capped_dispatch_picks_the_portable_default(monkeypatch):
+    """ALTUP_MAX_COMPUTE_CAPABILITY=80 makes the default what an sm_80 GPU runs (v3), while an
+    explicit version still runs what this GPU can."""
+    from altup_cupy import _device
+    from altup_cupy.ops import predict_correct_backward as op
+
+    index = torch.cuda.current_device()
+    op._version.cache_clear()
+    monkeypatch.setenv(_device.DISPATCH_CAP_VARIABLE, "80")
+    try:
+        assert op._version(None, 3, 2304, index).number == 3
+        if _device.facts(index)[0] >= 90:
+            assert op._version(4, 3, 2304, index).number == 4
+    finally:
+        op._version.cache_clear()
+
+
 @pytest.mark.parametrize("a", [1, 2])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_active_idx(a, version, seeds):

@@ -111,3 +111,17 @@ def test_check_supported_names_a_device_below_8_0(monkeypatch):
     _device.facts.cache_clear()
     assert _device.check_supported(0) == 86
     _device.facts.cache_clear()
+
+
+def test_default_dispatch_capability_follows_the_cap(monkeypatch):
+    monkeypatch.delenv(_device.DISPATCH_CAP_VARIABLE, raising=False)
+    assert _device.default_dispatch_capability(90) == 90
+    monkeypatch.setenv(_device.DISPATCH_CAP_VARIABLE, "80")
+    assert _device.default_dispatch_capability(90) == 80
+    assert _device.default_dispatch_capability(86) == 80
+    monkeypatch.setenv(_device.DISPATCH_CAP_VARIABLE, "120")
+    assert _device.default_dispatch_capability(90) == 90  # a cap never raises the device's own
+    for bad in ("8.0", "75", "sm_80"):
+        monkeypatch.setenv(_device.DISPATCH_CAP_VARIABLE, bad)
+        with pytest.raises(ValueError, match=f"ALTUP_MAX_COMPUTE_CAPABILITY must be .* got '{bad}'"):
+            _device.default_dispatch_capability(90)

@@ -73,6 +73,8 @@ def _run_cuda(hidden_states, unembed_projs, eps, version):
 def _version(version, streams: int, hidden: int, index: int):
     """The version that serves this call, picked once per shape (it caches its own plans)."""
     capability, name = _device.facts(index)
+    if version is None:
+        capability = _device.default_dispatch_capability(capability)
     return _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
 
 

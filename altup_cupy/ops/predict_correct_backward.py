@@ -111,6 +111,8 @@ def _version(version, streams: int, hidden: int, index: int):
     """The version that serves this call, picked once per shape (its plans are cached by the
     version itself: v4's depend on a tuning override too)."""
     capability, name = _device.facts(index)
+    if version is None:
+        capability = _device.default_dispatch_capability(capability)
     return _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
 
 
