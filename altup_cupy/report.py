@@ -8,7 +8,9 @@ Per op and suite, one row per workload (sorted by tokens): each implementation's
 (✗ marks a run that fails the tolerance rule), the datasheet speed-of-light time, our % of it,
 our speedup over the fastest PyTorch baseline that passes the tolerance on that workload, and
 whether ours passes. The last row holds the means: arithmetic over workloads for the µs columns
-and for % of SOL, geometric for the speedup, and the count of passing workloads.
+and for % of SOL, geometric for the speedup, and the count of passing workloads. Below it,
+`gpu_and_wall_table` sets each implementation's GPU time (`median_us`) beside its wall time
+(`wall_us`, host included), or a line says that the CSV has no wall time.
 
 For a memory-bound op, `bandwidth_table` gives every implementation's TB/s of compulsory traffic
 per workload against the measured copy rate, and `progression_table` each version of ours
@@ -35,6 +37,7 @@ BEGIN_MARKER = "<!-- results:begin -->"
 END_MARKER = "<!-- results:end -->"
 README_FIGURES = ("roofline.png", "speedup_collapse_benchmark.png",
                   "speedup_predict_correct_backward_benchmark.png")
+WALL_NOT_RECORDED = "not recorded"  # CSVs of runs before the benchmark measured wall_us
 
 
 def _us(value: float) -> str:
@@ -109,25 +112,36 @@ def results_table(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
+def _has_wall(row: dict) -> bool:
+    return math.isfinite(row.get("wall_us", math.nan))
+
+
 def gpu_and_wall_table(rows: Sequence[dict]) -> str:
     """Per implementation: GPU time and wall time (what one call costs a program, host included),
     as means over the workloads and at the smallest and the largest M. Empty for CSVs recorded
-    before the benchmark measured wall time."""
-    if not any(math.isfinite(r.get("wall_us", math.nan)) for r in rows):
+    before the benchmark measured wall time; a wall time some of whose rows lack it (CSVs of
+    several runs) reads "not recorded"."""
+    if not any(_has_wall(r) for r in rows):
         return ""
     tokens = sorted({r["tokens"] for r in rows})
     head = ["implementation", "mean GPU µs", "mean wall µs", f"GPU / wall µs at M = {tokens[0]}",
             f"GPU / wall µs at M = {tokens[-1]}"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+
+    def wall(some: Sequence[dict]) -> str:
+        if not all(_has_wall(r) for r in some):
+            return WALL_NOT_RECORDED
+        return _us(statistics.fmean(r["wall_us"] for r in some))
+
     for impl in impl_order(rows):
         mine = [r for r in rows if r["impl"] == impl]
         at = {r["tokens"]: r for r in mine}
 
         def pair(m):
             r = at.get(m)
-            return f"{_us(r['median_us'])} / {_us(r['wall_us'])}" if r else "—"
-        cells = [impl, _us(statistics.fmean(r["median_us"] for r in mine)),
-                 _us(statistics.fmean(r["wall_us"] for r in mine)), pair(tokens[0]), pair(tokens[-1])]
+            return f"{_us(r['median_us'])} / {wall([r])}" if r else "—"
+        cells = [impl, _us(statistics.fmean(r["median_us"] for r in mine)), wall(mine),
+                 pair(tokens[0]), pair(tokens[-1])]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -236,7 +250,8 @@ def progression_table(rows: Sequence[dict]) -> str:
 def _wall_section(rows: Sequence[dict]) -> str:
     table = gpu_and_wall_table(rows)
     if not table:
-        return ""
+        return ("\n\nWall time (`wall_us`: one call on an idle GPU, host time included): "
+                f"{WALL_NOT_RECORDED} in this CSV; the µs above are GPU time (`median_us`).")
     return ("\n\nGPU time (above) is what the kernels take when the host issues work ahead of the GPU "
             "(a training step, a CUDA graph, back-to-back calls); wall time is what one call costs a "
             "program that waits for it: CUDA events around the call with the GPU idle before it, host "

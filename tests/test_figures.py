@@ -328,3 +328,35 @@ def test_gpu_and_wall_table_shows_both_times_per_implementation():
     ours = next(line for line in table if line.startswith("| altup_cupy |"))
     assert "155.0" in ours and "185.0" in ours and "10.0 / 60.0" in ours and "300.0 / 310.0" in ours
     assert report.gpu_and_wall_table([{**r, "wall_us": float("nan")} for r in rows]) == ""
+
+
+def test_gpu_and_wall_table_names_a_wall_time_some_rows_lack():
+    """CSVs of several runs: an implementation whose rows only partly carry wall_us gets no mean
+    wall time from the rows that do; its cells say so."""
+    rows = [{"impl": impl, "tokens": m, "median_us": gpu, "wall_us": wall}
+            for impl, m, gpu, wall in [("altup_cupy", 128, 10.0, 60.0), ("altup_cupy", 8192, 300.0, 310.0),
+                                       ("torch_eager", 128, 50.0, math.nan), ("torch_eager", 8192, 900.0, 905.0)]]
+    table = {line[0]: line for line in _table_lines(report.gpu_and_wall_table(rows))}
+    assert table["altup_cupy"][1:] == ["155.0", "185.0", "10.0 / 60.0", "300.0 / 310.0"]
+    assert table["torch_eager"][1:] == ["475.0", report.WALL_NOT_RECORDED, f"50.0 / {report.WALL_NOT_RECORDED}",
+                                        "900.0 / 905.0"]
+
+
+def test_markdown_tables_show_wall_time_or_say_it_was_not_recorded(synthetic, tmp_path):
+    without = report.markdown_tables(synthetic)  # the synthetic CSVs leave wall_us empty
+    assert without.count(f"{report.WALL_NOT_RECORDED} in this CSV") == 2  # one per table present
+    assert "mean wall µs" not in without
+    for path in synthetic.glob("bench_*.csv"):
+        rows = read_csv(path)
+        with_wall = tmp_path / "with_wall" / path.name
+        with_wall.parent.mkdir(exist_ok=True)
+        with with_wall.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            writer.writerows({**r, "wall_us": 2 * float(r["median_us"])} for r in rows)
+    text = report.markdown_tables(tmp_path / "with_wall")
+    assert text.count("| implementation | mean GPU µs | mean wall µs |") == 2
+    assert report.WALL_NOT_RECORDED not in text
+    ours = next(line for line in _table_lines(text) if line[0] == "altup_cupy" and len(line) == 5)
+    mean_gpu = statistics.fmean(impls["altup_cupy"][0] for _, _, impls in SYNTH_COLLAPSE)
+    assert float(ours[1]) == pytest.approx(mean_gpu, abs=0.06) and float(ours[2]) == pytest.approx(2 * mean_gpu, abs=0.06)
