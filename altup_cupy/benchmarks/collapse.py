@@ -102,7 +102,7 @@ BASELINES = (
     Impl("torch_eager_bf16gemm", _eager_bf16_gemm),
     Impl("torch_compile_bf16gemm", _compiled_bf16_gemm_impl),
     Impl("cublas_gemms_fp32out", _gemms_alone, checked=False),
-    Impl("torch_bmm_fp32out", _torch_gemms_alone, checked=False),
+    Impl("bmm_gemms_fp32out", _torch_gemms_alone, checked=False),
     Impl("cupy_cublas_gemms_fp32out", _cupy_cublas_gemms_alone, checked=False),
 )
 
