@@ -25,7 +25,6 @@ import torch
 
 from . import gemma3n_kernels as cuda
 from .reference import gemma3n as ref
-from .reference.collapse import collapse_reference
 
 BF16 = torch.bfloat16
 
