@@ -16,7 +16,9 @@ from typing import NamedTuple, Sequence
 import numpy
 import torch
 
-from . import _sources
+from . import _device, _sources
+from ._build import KernelSource
+from ._launch import PackedLaunch
 
 STREAMS = _sources.SUPPORTED_STREAMS
 MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in H / 8 threads
@@ -54,17 +56,29 @@ def _row_threads(hidden: int) -> int:
     return max(64, (hidden // 8 + 31) // 32 * 32)
 
 
+# The C type of a kernel argument (`_launch.ARG_TYPES`), by the numpy scalar type the launchers
+# below wrap it in.
+_ARG_TYPES = {numpy.uint64: "ptr", numpy.int64: "i64", numpy.int32: "i32", numpy.float32: "f32"}
+# The packed launches built so far, one per source, kernel, device, block size, shared-memory size
+# and argument types: a launch converts no argument and looks up no kernel after the first.
+_PACKED: dict[tuple, PackedLaunch] = {}
+
+
 def _launch(source: KernelSource, name: str, like: torch.Tensor, grid: int, threads: int, args,
             shared_mem: int = 0) -> None:
-    """One launch on torch's current stream of `like`'s device."""
-    import cupy
-
-    with cupy.cuda.Device(like.device.index):
-        kernel = source.kernel(name)
-        if shared_mem > kernel.max_dynamic_shared_size_bytes:
-            kernel.max_dynamic_shared_size_bytes = shared_mem
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(like.device).cuda_stream)
-        kernel((grid,), (threads,), args, stream=stream, shared_mem=shared_mem)
+    """One launch on torch's current stream of `like`'s device (its raw handle: a capture of that
+    stream captures the launch)."""
+    device = like.device.index
+    arg_types = tuple(_ARG_TYPES[type(arg)] for arg in args)
+    key = (source.filename, name, device, threads, shared_mem, arg_types)
+    with _device.on(like.device):
+        launch = _PACKED.get(key)
+        if launch is None:
+            kernel = source.kernel(name)
+            if shared_mem > kernel.max_dynamic_shared_size_bytes:
+                kernel.max_dynamic_shared_size_bytes = shared_mem
+            launch = _PACKED[key] = PackedLaunch(kernel, threads, shared_mem, arg_types)
+        launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
 
 
 def _backward_blocks(like: torch.Tensor, tokens: int) -> int:
@@ -105,24 +119,38 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     return out
 
 
+def _routed_backward(source: KernelSource, name: str, tensors: Sequence[torch.Tensor], coef_columns: int,
+                     router_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_scale: float,
+                     shared_mem: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launches the predict or correct backward kernel `name` and sums its per-block partials.
+
+    tensors: the kernel's pointer arguments before the partials, the first one [N, B, S, H]. A block's
+    partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
+    columns. Returns (the coefficient gradient, flat; grad R; grad w), all fp32."""
+    like = tensors[0]
+    streams, hidden = like.shape[0], like.shape[-1]
+    tokens = like[0].numel() // hidden
+    blocks = _backward_blocks(like, tokens)
+    columns = streams * hidden + coef_columns
+    partials, stride = _partials(like, blocks, columns)
+    _launch(source, name, like, blocks, _row_threads(hidden),
+            (*map(_ptr, tensors), _ptr(partials), numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden),
+             numpy.float32(eps), numpy.float32(router_scale)),
+            shared_mem=shared_mem)
+    sums = _column_sum(partials, columns)
+    S = sums[: streams * hidden].view(streams, hidden)
+    return (sums[streams * hidden:], *_router_grads(S, router_weight, norm_weight, router_scale))
+
+
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
                      active_idx: int, eps: float, router_scale: float) -> PredictGradients:
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
-    tokens = hidden_states[0].numel() // hidden
     grad_h = torch.empty_like(hidden_states)
-    blocks = _backward_blocks(hidden_states, tokens)
-    columns = streams * hidden + streams ** 3
-    partials, stride = _partials(hidden_states, blocks, columns)
-    _launch(PREDICT_SOURCE, f"altup_predict_backward_v1<{streams}, {active_idx}>", hidden_states, blocks,
-            _row_threads(hidden),
-            (_ptr(grad_predictions), _ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight),
-             _ptr(norm_weight), _ptr(grad_h), _ptr(partials), numpy.int64(stride), numpy.int64(tokens),
-             numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)),
-            shared_mem=4 * streams * hidden)
-    sums = _column_sum(partials, columns)
-    S = sums[: streams * hidden].view(streams, hidden)
-    grad_R, grad_w = _router_grads(S, router_weight, norm_weight, router_scale)
-    return PredictGradients(grad_h, sums[streams * hidden:].view(streams * streams, streams), grad_R, grad_w)
+    grad_P, grad_R, grad_w = _routed_backward(
+        PREDICT_SOURCE, f"altup_predict_backward_v1<{streams}, {active_idx}>",
+        (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
+        router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
+    return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
 
 
 def correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx: int,
@@ -139,22 +167,13 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
                      active_idx: int, eps: float, router_scale: float) -> CorrectGradients:
-    streams, hidden = predictions.shape[0], predictions.shape[-1]
-    tokens = activated.numel() // hidden
+    streams = predictions.shape[0]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
-    blocks = _backward_blocks(predictions, tokens)
-    columns = streams * hidden + streams ** 2
-    partials, stride = _partials(predictions, blocks, columns)
-    _launch(CORRECT_SOURCE, f"altup_correct_backward_v1<{streams}, {active_idx}>", predictions, blocks,
-            _row_threads(hidden),
-            (_ptr(grad_corrected), _ptr(predictions), _ptr(activated), _ptr(correction_coefs),
-             _ptr(router_weight), _ptr(norm_weight), _ptr(grad_pred), _ptr(grad_x), _ptr(partials),
-             numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps),
-             numpy.float32(router_scale)))
-    sums = _column_sum(partials, columns)
-    S = sums[: streams * hidden].view(streams, hidden)
-    grad_R, grad_w = _router_grads(S, router_weight, norm_weight, router_scale)
-    return CorrectGradients(grad_pred, grad_x, sums[streams * hidden:].view(streams, streams), grad_R, grad_w)
+    grad_Q, grad_R, grad_w = _routed_backward(
+        CORRECT_SOURCE, f"altup_correct_backward_v1<{streams}, {active_idx}>",
+        (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
+        streams ** 2, router_weight, norm_weight, eps, router_scale)
+    return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
 
 def _gemm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ import torch
 
 from . import gemma3n_kernels as cuda
 from .reference import gemma3n as ref
-from .reference.collapse import collapse_reference
 
 BF16 = torch.bfloat16
 
@@ -65,12 +64,16 @@ def _check_active(active_idx, streams):
         raise ValueError(f"active_idx must satisfy 0 <= active_idx < N = {streams}, got {active_idx}")
 
 
+def _named_projections(projections) -> list[tuple[str, torch.Tensor]]:
+    return [(f"projections[{i}]", w) for i, w in enumerate(projections)]
+
+
 def _check_projections(projections, streams, hidden):
     if len(projections) != streams - 1:
         raise ValueError(f"projections must hold N-1 = {streams - 1} matrices for N = {streams} streams, "
                          f"got {len(projections)}")
-    for i, w in enumerate(projections):
-        _check_tensor(f"projections[{i}]", w, (hidden, hidden), "H H")
+    for name, w in _named_projections(projections):
+        _check_tensor(name, w, (hidden, hidden), "H H")
 
 
 def cuda_serves(streams: int, hidden: int) -> str | None:
@@ -159,6 +162,12 @@ def _zero_grads(activations, *weights):
     """The gradients of an empty batch: zero rows, zero weight gradients."""
     return (torch.zeros_like(activations),
             *(torch.zeros(w.shape, dtype=_weight_grad_dtype(w), device=w.device) for w in weights))
+
+
+def _zero_projection_grads(activations, projections):
+    """`_zero_grads` in the layout of expand_backward and collapse_backward: (rows, [matrices])."""
+    grad_activations, *grad_projections = _zero_grads(activations, *projections)
+    return grad_activations, grad_projections
 
 
 @predict_backward.register_fake
@@ -250,8 +259,7 @@ def expand(embeddings: torch.Tensor, projections: list[torch.Tensor], floor: flo
     streams, hidden = _validate_expand(embeddings, projections)
     _check_floor(floor)
     if embeddings.is_cuda:
-        _check_cuda([("embeddings", embeddings)] + [(f"projections[{i}]", w) for i, w in enumerate(projections)],
-                    streams, hidden)
+        _check_cuda([("embeddings", embeddings), *_named_projections(projections)], streams, hidden)
         if embeddings.numel() == 0:
             return (embeddings.new_empty((streams, *embeddings.shape)),
                     embeddings.new_empty((*embeddings.shape[:-1], streams - 1, hidden), dtype=torch.float32))
@@ -277,11 +285,10 @@ def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projec
     _check_tensor("grad_streams", grad_streams, (streams, *embeddings.shape), "N B S H")
     _check_tensor("projected", projected, (*embeddings.shape[:-1], streams - 1, hidden), "B S N-1 H")
     if embeddings.is_cuda:
-        _check_cuda([("grad_streams", grad_streams), ("embeddings", embeddings)]
-                    + [(f"projections[{i}]", w) for i, w in enumerate(projections)], streams, hidden)
+        _check_cuda([("grad_streams", grad_streams), ("embeddings", embeddings), *_named_projections(projections)],
+                    streams, hidden)
         if embeddings.numel() == 0:
-            return torch.zeros_like(embeddings), [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                                                  for w in projections]
+            return _zero_projection_grads(embeddings, projections)
         return cuda.expand_backward(grad_streams, embeddings, projections, projected, floor)
     dtype = _compute_dtype(embeddings)
     g, x0 = grad_streams.to(dtype), embeddings.to(dtype)
@@ -312,11 +319,10 @@ def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, pr
     streams, hidden = _validate_collapse(hidden_states, projections)
     _check_tensor("grad_output", grad_output, tuple(hidden_states.shape[1:]), "B S H")
     if hidden_states.is_cuda:
-        _check_cuda([("grad_output", grad_output), ("hidden_states", hidden_states)]
-                    + [(f"projections[{i}]", w) for i, w in enumerate(projections)], streams, hidden)
+        _check_cuda([("grad_output", grad_output), ("hidden_states", hidden_states),
+                     *_named_projections(projections)], streams, hidden)
         if grad_output.numel() == 0:
-            return torch.zeros_like(hidden_states), [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                                                     for w in projections]
+            return _zero_projection_grads(hidden_states, projections)
         return cuda.collapse_backward(grad_output, hidden_states, projections, floor)
     grads = ref.collapse_backward(grad_output, hidden_states, projections, floor, _compute_dtype(hidden_states))
     # one tensor per matrix: outputs of an operator may not alias each other

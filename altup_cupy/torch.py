@@ -40,21 +40,28 @@ def _router_scale(router_scale, x):
     return 1.0 / x.shape[-1] if router_scale is None else float(router_scale)
 
 
+def _register_routed_autograd(op: str) -> None:
+    """Registers the autograd of `op`, predict or correct. Both take their tensors first, then
+    active_idx, eps and router_scale; the backward saves every tensor and `<op>_backward` returns
+    one gradient per tensor (the three others get None)."""
+    backward_op = getattr(_ops, f"{op}_backward")
+
+    def setup_context(ctx, inputs, output):
+        *tensors, active_idx, eps, router_scale = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
+
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        grads = backward_op(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
+        return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
+
+    torch.library.register_autograd(f"altup_cupy::{op}", backward, setup_context=setup_context)
+
+
 # ---- predict -----------------------------------------------------------------------------------
 
-def _predict_setup(ctx, inputs, output):
-    hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale = inputs
-    ctx.save_for_backward(hidden_states, prediction_coefs, router_weight, norm_weight)
-    ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
-
-
-def _predict_backward(ctx, grad):
-    saved = ctx.saved_tensors
-    grads = _ops.predict_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
-    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
-
-
-torch.library.register_autograd("altup_cupy::predict", _predict_backward, setup_context=_predict_setup)
+_register_routed_autograd("predict")
 
 
 def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
@@ -68,19 +75,7 @@ def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_
 
 # ---- correct -----------------------------------------------------------------------------------
 
-def _correct_setup(ctx, inputs, output):
-    predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale = inputs
-    ctx.save_for_backward(predictions, activated, correction_coefs, router_weight, norm_weight)
-    ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
-
-
-def _correct_backward(ctx, grad):
-    saved = ctx.saved_tensors
-    grads = _ops.correct_backward(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
-    return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
-
-
-torch.library.register_autograd("altup_cupy::correct", _correct_backward, setup_context=_correct_setup)
+_register_routed_autograd("correct")
 
 
 def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,

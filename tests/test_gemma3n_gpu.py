@@ -8,7 +8,8 @@ Every output and every gradient passes two rules against a float64 run of the un
   the tensor's dtype (floor 1e-6).
 Inputs follow the benchmark's distributions (randn activations, coefficients randn / sqrt(N),
 router randn / sqrt(H), norm weight 1 + randn / 10) with fresh seeds. Also: bitwise determinism,
-CUDA-graph capture, and 30 AdamW steps of a small model patched vs unpatched.
+CUDA-graph capture, launches on a second device, and 30 AdamW steps of a small model patched vs
+unpatched.
 """
 
 from __future__ import annotations
@@ -141,32 +142,56 @@ def test_backwards_are_bitwise_deterministic(seeds):
             assert torch.equal(first[name], again[name]), name
 
 
-def test_cuda_graph_replay_matches_eager(seeds):
-    gen = torch.Generator("cuda").manual_seed(seeds())
+def _chain_leaves(seed):
+    """x [2, 128, H], W_1..W_{N-1}, P, Q, R, w for `_chain_grads`: bf16 on the current device."""
+    gen = torch.Generator("cuda").manual_seed(seed)
     hidden = 2048
-    h = _randn(gen, STREAMS, 2, 128, hidden).requires_grad_(True)
-    P = _randn(gen, STREAMS ** 2, STREAMS, scale=0.5).requires_grad_(True)
-    Q = _randn(gen, STREAMS, STREAMS, scale=0.5).requires_grad_(True)
-    R = _randn(gen, STREAMS, hidden, scale=hidden ** -0.5).requires_grad_(True)
-    w = (1.0 + _randn(gen, hidden, scale=0.1)).requires_grad_(True)
+    x = _randn(gen, 2, 128, hidden)
+    W = [_randn(gen, hidden, hidden, scale=hidden ** -0.5) for _ in range(STREAMS - 1)]
+    leaves = [x, *W, _randn(gen, STREAMS ** 2, STREAMS, scale=0.5), _randn(gen, STREAMS, STREAMS, scale=0.5),
+              _randn(gen, STREAMS, hidden, scale=hidden ** -0.5), 1.0 + _randn(gen, hidden, scale=0.1)]
+    return [t.requires_grad_(True) for t in leaves]
 
-    def step():
-        pred = altup.predict(h, P, R, w, 0)
-        corrected = altup.correct(pred, torch.tanh(pred[0]), Q, R, w, 0)
-        return torch.autograd.grad(corrected.float().square().sum(), (h, P, Q, R, w))
 
+def _chain_grads(leaves):
+    """The gradients of a loss over expand, predict, correct and collapse: every launcher of
+    gemma3n_kernels runs, forward and backward."""
+    x, *W, P, Q, R, w = leaves
+    pred = altup.predict(altup.expand(x, W), P, R, w, 1)
+    out = altup.collapse(altup.correct(pred, torch.tanh(pred[1]), Q, R, w, 1), W)
+    return torch.autograd.grad(out.float().square().sum(), leaves)
+
+
+# CuPy's stream wrappers warn (ExternalStream is deprecated); the launches use none.
+@pytest.mark.filterwarnings("error::DeprecationWarning:altup_cupy")
+def test_cuda_graph_replay_matches_eager(seeds):
+    """The capture runs on torch's capture stream: a launch on any other stream would break it."""
+    leaves = _chain_leaves(seeds())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        eager = step()  # warm-up: compiles the kernels outside the capture
+        eager = _chain_grads(leaves)  # warm-up: compiles the kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = step()
+            captured = _chain_grads(leaves)
     torch.cuda.current_stream().wait_stream(side)
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(eager, captured):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_launches_go_to_the_inputs_device(seeds):
+    """Inputs on cuda:1 while cuda:0 is current: every kernel runs on cuda:1 and gives cuda:0's
+    results (the kernels and cuBLAS are deterministic on identical devices)."""
+    with torch.cuda.device(0):
+        leaves = _chain_leaves(seeds())
+        on_first = _chain_grads(leaves)
+        on_second = _chain_grads([t.detach().to("cuda:1").requires_grad_(True) for t in leaves])
+    for a, b in zip(on_first, on_second):
+        assert b.device == torch.device("cuda:1")
+        assert torch.equal(a, b.to(a.device))
 
 
 def test_torch_compile_fullgraph_matches_eager(seeds):
