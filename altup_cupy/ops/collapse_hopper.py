@@ -380,10 +380,12 @@ def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, 
     expression = GEMM_V4 if fused is not None else GEMM_V3 if stats else GEMM_V2
     gemm = _function(SOURCE, expression, device, SHARED_BYTES)
     slab = (streams - 1) * rows * hidden
+    split_partials = None  # held until the launches are queued
     if plan.splits == 1:
         target = y.ptr
     else:
-        target = _SPLIT_PARTIALS.get(4 * plan.splits * slab, torch.device("cuda", device), stream).data_ptr()
+        split_partials = _SPLIT_PARTIALS.get(4 * plan.splits * slab, torch.device("cuda", device), stream)
+        target = split_partials.data_ptr()
     packed = pack_params(prepared.x_maps, prepared.w_maps, target, row_sumsq.ptr if stats else 0, plan, fused)
     params = ctypes.create_string_buffer(packed, PARAMS_BYTES)
     _launch(gemm, device, plan.grid, THREADS, SHARED_BYTES, stream, [params], expression)

@@ -107,10 +107,12 @@ class FusedPlan:
         self.tokens, self.hidden = tokens, hidden
 
     def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
-        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch).data_ptr()
-        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials,
+        # Held until both launches are queued: a buffer freed before its launch could be handed
+        # to the next allocation of this call.
+        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch)
+        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials.data_ptr(),
                   self.hidden, self.tokens, eps, *self.extra_args)
-        self.reduce(stream, partials, self.blocks, outs)
+        self.reduce(stream, partials.data_ptr(), self.blocks, outs)
 
 
 # ---- v1 -----------------------------------------------------------------------------------------
@@ -343,11 +345,13 @@ class V5Plan:
         self.tokens, self.hidden = tokens, hidden
 
     def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
-        tickets = _TICKETS.get(self.ticket_bytes, device, stream, reuse_scratch).data_ptr()
-        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch).data_ptr()
+        # Both held until the launch is queued: a fresh buffer freed before it could come back as
+        # the other one.
+        tickets = _TICKETS.get(self.ticket_bytes, device, stream, reuse_scratch)
+        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch)
         _, _, grad_P, grad_Q, grad_R, grad_w = outs
-        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials,
-                  self.hidden, self.tokens, eps, self.stages, tickets, self.group_size,
+        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials.data_ptr(),
+                  self.hidden, self.tokens, eps, self.stages, tickets.data_ptr(), self.group_size,
                   grad_R.data_ptr(), grad_w.data_ptr(), grad_P.data_ptr(), grad_Q.data_ptr())
 
 
