@@ -76,6 +76,17 @@ def _shape_error(name: str, t: torch.Tensor, shape: Sequence[int | None], dims: 
     raise ValueError(f"{name} must have shape {expected} ({_dims(dims)}), got {list(t.shape)}")
 
 
+def check_streams_and_width(name: str, streams: int, hidden: int, hidden_dim: str = "dim 3") -> None:
+    """N (dim 0 of `name`) is a stream count the kernels are built for, and the rows split into
+    whole 16-byte (8-element) slices."""
+    from ._sources import SUPPORTED_STREAMS
+
+    if streams not in SUPPORTED_STREAMS:
+        raise ValueError(f"{name} must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
+    if hidden % 8:
+        raise ValueError(f"hidden size H ({name} {hidden_dim}) must be divisible by 8, got {hidden}")
+
+
 def check_devices(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     """All tensors on one device: return it."""
     first_name, first = named[0]

@@ -15,7 +15,6 @@ from typing import Any, Sequence
 import torch
 
 from .. import _arrays, _device
-from .._sources import SUPPORTED_STREAMS
 from ..reference import collapse_reference
 from . import _registry
 from .collapse_versions import PREFERENCE, VERSIONS
@@ -33,10 +32,7 @@ def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
     dtype = hidden_states.dtype if hidden_states.device.type == "cpu" and hidden_states.dtype in CPU_DTYPES else BF16
     _arrays.check_tensor("hidden_states", hidden_states, dtype, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = hidden_states.shape
-    if streams not in SUPPORTED_STREAMS:
-        raise ValueError(f"hidden_states must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
-    if hidden % 8:
-        raise ValueError(f"hidden size H (hidden_states dim 3) must be divisible by 8, got {hidden}")
+    _arrays.check_streams_and_width("hidden_states", streams, hidden)
     named = [("hidden_states", hidden_states)]
     if len(unembed_projs) == 1 and unembed_projs[0].dim() == 3:
         _arrays.check_tensor("unembed_projs", unembed_projs[0], dtype, (streams - 1, hidden, hidden),

@@ -34,7 +34,6 @@ from .._build import KernelSource, compile_offline
 from .._scratch import StreamScratch
 from .._sources import COLLAPSE_V1 as EPILOGUE_V1_SOURCE
 from .._sources import COLLAPSE_V2 as SOURCE
-from .._sources import SUPPORTED_STREAMS
 from .collapse_versions import epilogue_launch_shape
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -306,10 +305,7 @@ def _stream_operands(hidden_states: Any, weights: Any):
     rows = 1
     for extent in hs.shape[1:-1]:
         rows *= extent
-    if streams not in SUPPORTED_STREAMS:
-        raise ValueError(f"hidden_states must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
-    if hidden % 8:
-        raise ValueError(f"hidden size H (hidden_states' last dim) must be divisible by 8, got {hidden}")
+    _arrays.check_streams_and_width("hidden_states", streams, hidden, "last dim")
     if isinstance(weights, (list, tuple)):
         if len(weights) != streams - 1:
             raise ValueError(f"weights must hold N-1 = {streams - 1} matrices, got {len(weights)}")

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _arrays, _device
-from .._sources import SUPPORTED_STREAMS
 from ..reference import predict_correct_backward_reference
 from . import _registry
 from .collapse import _fast_path_applies
@@ -41,10 +40,7 @@ def validate(g, hs, act, P, Q, R, w, active_idx, eps):
     their fixed order, with the messages, run only when one of them fails."""
     _arrays.check_tensor("grad_corrected", g, BF16, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = g.shape
-    if streams not in SUPPORTED_STREAMS:
-        raise ValueError(f"grad_corrected must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
-    if hidden % 8:
-        raise ValueError(f"hidden size H (grad_corrected dim 3) must be divisible by 8, got {hidden}")
+    _arrays.check_streams_and_width("grad_corrected", streams, hidden)
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size H (grad_corrected dim 3) must be at most {MAX_HIDDEN}, got {hidden}")
     n, device = streams, g.device
