@@ -97,19 +97,9 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
 
         float gk[N], gm[N], k[N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            gk[i] = sums[1 + N + i] - sums[1 + 2 * N + i];
-            k[i] = 1.0f;
-#pragma unroll
-            for (int l = 0; l < N; ++l) k[i] = fmaf(Q[i * N + l], route.m[l], k[i]);
-        }
-#pragma unroll
-        for (int l = 0; l < N; ++l) {
-            float s = 0.0f;
-#pragma unroll
-            for (int i = 0; i < N; ++i) s = fmaf(Q[i * N + l], gk[i], s);
-            gm[l] = s;
-        }
+        for (int i = 0; i < N; ++i) gk[i] = sums[1 + N + i] - sums[1 + 2 * N + i];
+        matrix_vector<N, N>(Q, route.m, 1.0f, k);
+        transposed_matrix_vector<N, N>(Q, gk, gm);
         float gz[N], alpha[N];
         const float beta = route.backward(gm, Ac, router_scale, gz, alpha);
 #pragma unroll

@@ -108,13 +108,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
         const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);
 
         float gm[N];
-#pragma unroll
-        for (int l = 0; l < N; ++l) {
-            float s = 0.0f;
-#pragma unroll
-            for (int ij = 0; ij < N * N; ++ij) s = fmaf(P[ij * N + l], G[ij], s);
-            gm[l] = s;
-        }
+        transposed_matrix_vector<N * N, N>(P, G, gm);
         float gz[N], alpha[N];
         const float beta = route.backward(gm, Ap, router_scale, gz, alpha);
         // constant indices only (a register array indexed by threadIdx would go to local memory)

@@ -16,12 +16,17 @@ struct RowSlice {
     __device__ __forceinline__ explicit RowSlice(const int hidden)
         : d0(static_cast<long long>(threadIdx.x) * kVec), active(threadIdx.x * kVec < hidden) {}
 
+    // What a thread past the row holds.
+    __device__ __forceinline__ static void zeros(float (&out)[kVec]) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+    }
+
     __device__ __forceinline__ void load(const unsigned short* row, float (&out)[kVec]) const {
         if (active) {
             unpack_bf16x8(load_streaming(reinterpret_cast<const uint4*>(row + d0)), out);
         } else {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+            zeros(out);
         }
     }
     __device__ __forceinline__ void load(const float* row, float (&out)[kVec]) const {
@@ -31,8 +36,7 @@ struct RowSlice {
             out[0] = lo.x; out[1] = lo.y; out[2] = lo.z; out[3] = lo.w;
             out[4] = hi.x; out[5] = hi.y; out[6] = hi.z; out[7] = hi.w;
         } else {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+            zeros(out);
         }
     }
     // Weights every block reads: through the read-only cache, kept in L1/L2.
@@ -40,8 +44,7 @@ struct RowSlice {
         if (active) {
             unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(row + d0)), out);
         } else {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+            zeros(out);
         }
     }
     __device__ __forceinline__ void store(unsigned short* row, const float (&in)[kVec]) const {

@@ -91,4 +91,31 @@ __device__ __forceinline__ float warp_sum_spread(float (&v)[NV]) {
     return v[0];
 }
 
+// y = M x + init (init added to every entry) for a row-major ROWS x COLS fp32 matrix: one fmaf per
+// term, in column order, so the kernels that form C = P m or k = Q m + 1 all round alike.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void matrix_vector(const float* __restrict__ M, const float* __restrict__ x, const float init,
+                                              float (&y)[ROWS]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        float sum = init;
+#pragma unroll
+        for (int l = 0; l < COLS; ++l) sum = fmaf(M[i * COLS + l], x[l], sum);
+        y[i] = sum;
+    }
+}
+
+// y = M^T x for the same layout (the backward of matrix_vector), in row order.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void transposed_matrix_vector(const float* __restrict__ M, const float* __restrict__ x,
+                                                         float (&y)[COLS]) {
+#pragma unroll
+    for (int l = 0; l < COLS; ++l) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) sum = fmaf(M[i * COLS + l], x[i], sum);
+        y[l] = sum;
+    }
+}
+
 __host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }

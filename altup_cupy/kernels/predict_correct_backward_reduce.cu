@@ -25,33 +25,23 @@ __global__ void __launch_bounds__(ALTUP_REDUCE_THREADS) predict_correct_backward
     const long long stride4 = partial_stride(N, hidden) / 4;
     const int col = threadIdx.x & 31, group = threadIdx.x >> 5;
     const long long e4 = static_cast<long long>(blockIdx.x) * 32 + col;
-    auto add = [](float4& s, const float4 x) { s.x += x.x; s.y += x.y; s.z += x.z; s.w += x.w; };
     float4 s[4] = {};
     if (e4 < stride4) {
         int b = group;
         for (; b + 3 * kGroups < blocks; b += 4 * kGroups) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) add(s[k], partials[(b + k * kGroups) * stride4 + e4]);
+            for (int k = 0; k < 4; ++k) add_float4(s[k], partials[(b + k * kGroups) * stride4 + e4]);
         }
-        for (; b < blocks; b += kGroups) add(s[0], partials[b * stride4 + e4]);
+        for (; b < blocks; b += kGroups) add_float4(s[0], partials[b * stride4 + e4]);
     }
-    add(s[0], s[1]);
-    add(s[2], s[3]);
-    add(s[0], s[2]);
+    add_float4(s[0], s[1]);
+    add_float4(s[2], s[3]);
+    add_float4(s[0], s[2]);
     sums[group][col] = s[0];
     __syncthreads();
     if (group != 0 || e4 >= stride4) return;
     float4 total = {};
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) add(total, sums[g][col]);
-    const float values[4] = {total.x, total.y, total.z, total.w};
-    const long long nh = static_cast<long long>(N) * hidden;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const long long e = 4 * e4 + q;
-        if (e < nh) grad_router[e] = values[q];
-        else if (e < nh + hidden) grad_norm[e - nh] = values[q];
-        else if (e < nh + hidden + N * N * N) grad_pred[e - nh - hidden] = values[q];
-        else grad_corr[e - nh - hidden - N * N * N] = values[q];
-    }
+    for (int g = 0; g < kGroups; ++g) add_float4(total, sums[g][col]);
+    store_weight_grads<N>(e4, total, hidden, grad_router, grad_norm, grad_pred, grad_corr);
 }

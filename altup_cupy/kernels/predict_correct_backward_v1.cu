@@ -17,6 +17,7 @@
 //   v1: one small kernel per derivation stage, intermediates in global scratch, any H, readable.
 #include "common.cuh"
 #include "weight_grad_partials.cuh"
+#include "stream_grads.cuh"
 
 __device__ __forceinline__ void load_row8(const uint4* p, float (&v)[kVec]) { unpack_bf16x8(__ldg(p), v); }
 
@@ -136,6 +137,27 @@ __global__ void __launch_bounds__(ALTUP_V1_THREADS) predict_correct_backward_v1_
         for (int i = 0; i < N; ++i) st[S::gk + i] = gk[i];
 }
 
+// One slice of the token's g_i (at grad + i * plane + slice) into gpred_i = g_i - [i==a] gd, with
+// gd = sum_i k_i g_i; shared by stages 4 and 6. `a` is a runtime value: a 0/1 factor, not
+// `if (i == a)`, which the compiler may turn into a runtime index into gpred and so into local memory.
+template <int N>
+__device__ __forceinline__ void v1_gpred_slice(const uint4* __restrict__ grad, const long long plane,
+                                               const long long slice, const float* __restrict__ k, const int a,
+                                               float (&gpred)[N][kVec], float (&gd)[kVec]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        load_row8(grad + i * plane + slice, gpred[i]);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gd[e] += k[i] * gpred[i][e];
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float is_a = (i == a) ? 1.0f : 0.0f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gpred[i][e] = fmaf(-is_a, gd[e], gpred[i][e]);
+    }
+}
+
 // Router backward for one token, shared by stages 3 and 5: given gz (already in stats), writes
 //   gx = r*gu - r^3 * x * <gu, x> / H,  gu = (R^T gz) * w / H     as an fp32 row.
 template <int N>
@@ -144,9 +166,9 @@ __device__ __forceinline__ void v1_router_backward_row(
     const float (&gz)[N], const float r, float* __restrict__ gx_row, const int hidden, float* scratch) {
     const int slices = hidden / kVec;
     const float inv_h = 1.0f / static_cast<float>(hidden);
-    float dot[1] = {0.0f};  // <gu, x>
-    for (int s = threadIdx.x; s < slices; s += blockDim.x) {
-        float xv[kVec], wv[kVec], gxn[kVec] = {}, rv[kVec];
+    // Slice s of x and w, and gxn = R^T gz there (both passes recompute it rather than store it).
+    auto load_slice = [&](int s, float (&xv)[kVec], float (&wv)[kVec], float (&gxn)[kVec]) {
+        float rv[kVec];
         load_row8(x + s, xv); load_row8(w + s, wv);
 #pragma unroll
         for (int n = 0; n < N; ++n) {
@@ -154,23 +176,51 @@ __device__ __forceinline__ void v1_router_backward_row(
 #pragma unroll
             for (int e = 0; e < kVec; ++e) gxn[e] += rv[e] * gz[n];
         }
+    };
+    float dot[1] = {0.0f};  // <gu, x>
+    for (int s = threadIdx.x; s < slices; s += blockDim.x) {
+        float xv[kVec], wv[kVec], gxn[kVec] = {};
+        load_slice(s, xv, wv, gxn);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) dot[0] += gxn[e] * wv[e] * inv_h * xv[e];
     }
     block_sum<1>(dot, scratch);
     const float coef = r * r * r * dot[0] * inv_h;
     for (int s = threadIdx.x; s < slices; s += blockDim.x) {
-        float xv[kVec], wv[kVec], gxn[kVec] = {}, rv[kVec];
-        load_row8(x + s, xv); load_row8(w + s, wv);
-#pragma unroll
-        for (int n = 0; n < N; ++n) {
-            load_row8(R + static_cast<long long>(n) * slices + s, rv);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) gxn[e] += rv[e] * gz[n];
-        }
+        float xv[kVec], wv[kVec], gxn[kVec] = {};
+        load_slice(s, xv, wv, gxn);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) gx_row[s * kVec + e] = r * gxn[e] * wv[e] * inv_h - coef * xv[e];
     }
+}
+
+// Stages 3 and 5 for one token (one block): the router's gz = (M^T dM)(1 - m^2), stored in the
+// token's stats, then the gradient row gx of its input x (row x_row of x_rows). M: the router's
+// coefficient matrix (Q, or P as [N*N, N]: ROWS rows of N, bf16); dM, m, r and gz sit in the
+// token's stats at dm_at, m_at, r_at and gz_at.
+template <int N, int ROWS>
+__device__ __forceinline__ void v1_router_backward(const unsigned short* __restrict__ M, float* __restrict__ stats,
+                                                   const int dm_at, const int m_at, const int r_at, const int gz_at,
+                                                   const uint4* __restrict__ x_rows, const long long x_row,
+                                                   const uint4* __restrict__ R, const uint4* __restrict__ w,
+                                                   float* __restrict__ gx, const int hidden) {
+    __shared__ float scratch[32];
+    const int slices = hidden / kVec;
+    const long long t = blockIdx.x;
+    float* st = stats + t * TokenStats<N>::size;
+    float gz[N];
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+        float gm = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) gm += bf16_lo(M[i * N + l]) * st[dm_at + i];
+        const float m = st[m_at + l];
+        gz[l] = gm * (1.0f - m * m);
+    }
+    __syncthreads();  // every thread has read stats before thread 0 writes gz
+    if (threadIdx.x == 0)
+        for (int l = 0; l < N; ++l) st[gz_at + l] = gz[l];
+    v1_router_backward_row<N>(x_rows + x_row * slices, R, w, gz, st[r_at], gx + t * hidden, hidden, scratch);
 }
 
 // Stage 3, correct-step router backward (one block per token): gz_c = (Q^T gk)(1 - m_c^2), gx_c.
@@ -180,23 +230,8 @@ __global__ void __launch_bounds__(ALTUP_V1_THREADS) predict_correct_backward_v1_
     const uint4* __restrict__ w, float* __restrict__ stats, float* __restrict__ gx_c,
     const int hidden, const long long tokens) {
     using S = TokenStats<N>;
-    __shared__ float scratch[32];
-    const int slices = hidden / kVec;
     const long long t = blockIdx.x;
-    float* st = stats + t * S::size;
-    float gz[N];
-#pragma unroll
-    for (int l = 0; l < N; ++l) {
-        float gm = 0.0f;
-#pragma unroll
-        for (int i = 0; i < N; ++i) gm += bf16_lo(Q[i * N + l]) * st[S::gk + i];
-        const float m = st[S::m_c + l];
-        gz[l] = gm * (1.0f - m * m);
-    }
-    __syncthreads();  // every thread has read stats before thread 0 writes gz_c
-    if (threadIdx.x == 0)
-        for (int l = 0; l < N; ++l) st[S::gz_c + l] = gz[l];
-    v1_router_backward_row<N>(act + t * slices, R, w, gz, st[S::r_c], gx_c + t * hidden, hidden, scratch);
+    v1_router_backward<N, N>(Q, stats, S::gk, S::m_c, S::r_c, S::gz_c, act, t, R, w, gx_c, hidden);
 }
 
 // Stage 4, prediction-coefficient gradients (one block per token): dC_ij = <gpred_i, h_j>,
@@ -218,18 +253,7 @@ __global__ void __launch_bounds__(ALTUP_V1_THREADS) predict_correct_backward_v1_
     for (int q = 0; q < N * N; ++q) dC[q] = 0.0f;
     for (int s = threadIdx.x; s < slices; s += blockDim.x) {
         float g[N][kVec], gd[kVec] = {}, hv[kVec];
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            load_row8(grad + (i * tokens + t) * slices + s, g[i]);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) gd[e] += k[i] * g[i][e];
-        }
-#pragma unroll
-        for (int i = 0; i < N; ++i) {  // g now holds gpred (0/1 factor: `a` is a runtime value)
-            const float is_a = (i == a) ? 1.0f : 0.0f;
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) g[i][e] = fmaf(-is_a, gd[e], g[i][e]);
-        }
+        v1_gpred_slice<N>(grad, tokens * slices, t * slices + s, k, a, g, gd);
 #pragma unroll
         for (int j = 0; j < N; ++j) {
             load_row8(hs + (j * tokens + t) * slices + s, hv);
@@ -251,24 +275,9 @@ __global__ void __launch_bounds__(ALTUP_V1_THREADS) predict_correct_backward_v1_
     const uint4* __restrict__ w, float* __restrict__ stats, float* __restrict__ gx_p,
     const int hidden, const long long tokens, const int a) {
     using S = TokenStats<N>;
-    __shared__ float scratch[32];
-    const int slices = hidden / kVec;
     const long long t = blockIdx.x;
-    float* st = stats + t * S::size;
-    float gz[N];
-#pragma unroll
-    for (int l = 0; l < N; ++l) {
-        float gm = 0.0f;
-#pragma unroll
-        for (int q = 0; q < N * N; ++q) gm += bf16_lo(P[q * N + l]) * st[S::dC + q];
-        const float m = st[S::m_p + l];
-        gz[l] = gm * (1.0f - m * m);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0)
-        for (int l = 0; l < N; ++l) st[S::gz_p + l] = gz[l];
-    v1_router_backward_row<N>(hs + (a * tokens + t) * slices, R, w, gz, st[S::r_p], gx_p + t * hidden,
-                              hidden, scratch);
+    v1_router_backward<N, N * N>(P, stats, S::dC, S::m_p, S::r_p, S::gz_p, hs, a * tokens + t, R, w,
+                                 gx_p, hidden);
 }
 
 // Stage 6, element-wise gradients (one thread per 8-element slice of one token):
@@ -285,38 +294,16 @@ __global__ void __launch_bounds__(ALTUP_V1_THREADS) predict_correct_backward_v1_
     const long long t = idx / slices;
     const float* st = stats + t * S::size;
     float gpred[N][kVec], gd[kVec] = {};
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        load_row8(grad + i * tokens * slices + idx, gpred[i]);
-        const float k = st[S::k + i];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) gd[e] += k * gpred[i][e];
-    }
-    // gpred_i = g_i - [i==a] gd. (`a` is a runtime value: a 0/1 factor, not `if (i == a)`, which
-    // the compiler may turn into a runtime index into gpred and so into local memory.)
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const float is_a = (i == a) ? 1.0f : 0.0f;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) gpred[i][e] = fmaf(-is_a, gd[e], gpred[i][e]);
-    }
-    const float* gxp = gx_p + idx * kVec;
-    const float* gxc = gx_c + idx * kVec;
+    v1_gpred_slice<N>(grad, tokens * slices, idx, st + S::k, a, gpred, gd);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
         float out[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-            float v = gpred[j][e];
-#pragma unroll
-            for (int i = 0; i < N; ++i) v += st[S::C + i * N + j] * gpred[i][e];
-            out[e] = (j == a) ? v + gxp[e] : v;
-        }
+        stream_grad_slice<N>(gpred, st + S::C, j, j == a, gx_p + idx * kVec, out);
         grad_hs[j * tokens * slices + idx] = pack_bf16x8(out);
     }
     float out[kVec];
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) out[e] = gd[e] + gxc[e];
+    for (int e = 0; e < kVec; ++e) out[e] = gd[e] + gx_c[idx * kVec + e];
     grad_act[idx] = pack_bf16x8(out);
 }
 

@@ -10,6 +10,7 @@
 //       re-reads the token's rows from global memory (L1/L2 hits after the first read).
 #include "common.cuh"
 #include "weight_grad_partials.cuh"
+#include "stream_grads.cuh"
 
 // cp.async: a 16-byte global -> shared copy that bypasses registers (and L1: .cg).
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
@@ -112,7 +113,44 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
         unpack_bf16x8(raw, v);
     };
 
-    auto row_ha = [&](long long t, int c, float (&v)[kVec]) { row(N + A, t, c, v); };
+    // The slice's h_a, act and norm weight, which every round but the second reads.
+    auto load_ha_act_w = [&](long long t, int c, float (&hv)[kVec], float (&xv)[kVec], float (&wv)[kVec]) {
+        row(N + A, t, c, hv);
+        row(2 * N, t, c, xv);
+        unpack_bf16x8(load_w(c), wv);
+    };
+    // f(n, e, R[n] at element e of slice c) for every router row n and element e, one unpacked row
+    // at a time (only its 8 values live).
+    auto for_router_slice = [&](int c, auto&& f) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float rv[kVec];
+            unpack_bf16x8(load_R(n, c), rv);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) f(n, e, rv[e]);
+        }
+    };
+    // gxn = R^T gz for both routers (p: h_a, c: act) at slice c.
+    auto gxn_of = [&](int c, const float (&gz_p)[N], const float (&gz_c)[N], float (&gxn_p)[kVec],
+                      float (&gxn_c)[kVec]) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) { gxn_p[e] = 0.0f; gxn_c[e] = 0.0f; }
+        for_router_slice(c, [&](int n, int e, float r) {
+            gxn_p[e] = fmaf(r, gz_p[n], gxn_p[e]);
+            gxn_c[e] = fmaf(r, gz_c[n], gxn_c[e]);
+        });
+    };
+    // The slice's g_i and gd = sum_i k_i g_i.
+    auto load_g_and_gd = [&](long long t, int c, const float (&k)[N], float (&g)[N][kVec], float (&gd)[kVec]) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            row(i, t, c, g[i]);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
+        }
+    };
 
     // Per-block weight-gradient partials.
     auto acc = [&](int q, int e) -> float& { return acc_smem[(q * kVec + e) * blockDim.x + threadIdx.x]; };
@@ -143,22 +181,14 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
 #pragma unroll 1
         for (int c = 0; c < SLICES; ++c) {
             float hv[kVec], xv[kVec], wv[kVec];
-            row_ha(t, c, hv);
-            row(2 * N, t, c, xv);
-            unpack_bf16x8(load_w(c), wv);
+            load_ha_act_w(t, c, hv, xv, wv);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) { r1[0] = fmaf(hv[e], hv[e], r1[0]); r1[1] = fmaf(xv[e], xv[e], r1[1]); }
-#pragma unroll
-            for (int n = 0; n < N; ++n) {
-                float rv[kVec];
-                unpack_bf16x8(load_R(n, c), rv);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    const float rw = rv[e] * wv[e];
-                    r1[2 + n] = fmaf(rw, hv[e], r1[2 + n]);
-                    r1[2 + N + n] = fmaf(rw, xv[e], r1[2 + N + n]);
-                }
-            }
+            for_router_slice(c, [&](int n, int e, float r) {
+                const float rw = r * wv[e];
+                r1[2 + n] = fmaf(rw, hv[e], r1[2 + n]);
+                r1[2 + N + n] = fmaf(rw, xv[e], r1[2 + N + n]);
+            });
         }
         block_sum<NR1>(r1, scratch);
         const float r_p = 1.0f / sqrtf(r1[0] * inv_h + eps), r_c = 1.0f / sqrtf(r1[1] * inv_h + eps);
@@ -168,20 +198,8 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
             m_p[n] = tanhf(r1[2 + n] * r_p * inv_h);
             m_c[n] = tanhf(r1[2 + N + n] * r_c * inv_h);
         }
-#pragma unroll
-        for (int q = 0; q < N * N; ++q) {
-            float s = 0.0f;
-#pragma unroll
-            for (int l = 0; l < N; ++l) s = fmaf(P[q * N + l], m_p[l], s);
-            C[q] = s;
-        }
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            float s = 1.0f;
-#pragma unroll
-            for (int l = 0; l < N; ++l) s = fmaf(Q[i * N + l], m_c[l], s);
-            k[i] = s;
-        }
+        matrix_vector<N * N, N>(P, m_p, 0.0f, C);
+        matrix_vector<N, N>(Q, m_c, 1.0f, k);
         // pred_a = sum_j Ca[j] h_j with Ca[j] = C[a][j] + [j==a]
         float Ca[N];
 #pragma unroll
@@ -195,14 +213,7 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
         for (int c = 0; c < SLICES; ++c) {
             float g[N][kVec], gd[kVec], delta[kVec];
             row(2 * N, t, c, delta);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                row(i, t, c, g[i]);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
-            }
+            load_g_and_gd(t, c, k, g, gd);
 #pragma unroll
             for (int j = 0; j < N; ++j) {
                 float hv[kVec];
@@ -230,7 +241,7 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
             }
         }
         block_sum<NR2>(r2, scratch);
-        // gz_c = (Q^T gk)(1 - m_c^2), gz_p = (P^T dC)(1 - m_p^2)
+        // gz_c = (Q^T gk)(1 - m_c^2), gz_p = (P^T dC)(1 - m_p^2); r2 = gk | dC
         float gz_c[N], gz_p[N];
 #pragma unroll
         for (int l = 0; l < N; ++l) {
@@ -257,23 +268,9 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
         float r3[2] = {0.0f, 0.0f};
 #pragma unroll 1
         for (int c = 0; c < SLICES; ++c) {
-            float hv[kVec], xv[kVec], wv[kVec];
-            row_ha(t, c, hv);
-            row(2 * N, t, c, xv);
-            unpack_bf16x8(load_w(c), wv);
-            float gxn_p[kVec], gxn_c[kVec];
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) { gxn_p[e] = 0.0f; gxn_c[e] = 0.0f; }
-#pragma unroll
-            for (int n = 0; n < N; ++n) {
-                float rv[kVec];
-                unpack_bf16x8(load_R(n, c), rv);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    gxn_p[e] = fmaf(rv[e], gz_p[n], gxn_p[e]);
-                    gxn_c[e] = fmaf(rv[e], gz_c[n], gxn_c[e]);
-                }
-            }
+            float hv[kVec], xv[kVec], wv[kVec], gxn_p[kVec], gxn_c[kVec];
+            load_ha_act_w(t, c, hv, xv, wv);
+            gxn_of(c, gz_p, gz_c, gxn_p, gxn_c);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
                 r3[0] = fmaf(gxn_p[e] * wv[e], hv[e], r3[0]);
@@ -290,23 +287,9 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
         // ---- element-wise outputs and the weight-gradient partials
 #pragma unroll 1
         for (int c = 0; c < SLICES; ++c) {
-            float hv[kVec], xv[kVec], wv[kVec];
-            row_ha(t, c, hv);
-            row(2 * N, t, c, xv);
-            unpack_bf16x8(load_w(c), wv);
-            float gxn_p[kVec], gxn_c[kVec];
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) { gxn_p[e] = 0.0f; gxn_c[e] = 0.0f; }
-#pragma unroll
-            for (int n = 0; n < N; ++n) {
-                float rv[kVec];
-                unpack_bf16x8(load_R(n, c), rv);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    gxn_p[e] = fmaf(rv[e], gz_p[n], gxn_p[e]);
-                    gxn_c[e] = fmaf(rv[e], gz_c[n], gxn_c[e]);
-                }
-            }
+            float hv[kVec], xv[kVec], wv[kVec], gxn_p[kVec], gxn_c[kVec];
+            load_ha_act_w(t, c, hv, xv, wv);
+            gxn_of(c, gz_p, gz_c, gxn_p, gxn_c);
             float gx_p[kVec], gx_c[kVec];
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
@@ -326,14 +309,7 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
             }
             if (valid_of(c)) {
                 float g[N][kVec], gd[kVec];
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                    row(i, t, c, g[i]);
-#pragma unroll
-                    for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
-                }
+                load_g_and_gd(t, c, k, g, gd);
 #pragma unroll
                 for (int i = 0; i < N; ++i)
                     if (i == a)
@@ -343,13 +319,7 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
 #pragma unroll
                 for (int j = 0; j < N; ++j) {
                     float o[kVec];
-#pragma unroll
-                    for (int e = 0; e < kVec; ++e) {
-                        float v = g[j][e];
-#pragma unroll
-                        for (int i = 0; i < N; ++i) v = fmaf(C[i * N + j], g[i][e], v);
-                        o[e] = (j == a) ? v + gx_p[e] : v;
-                    }
+                    stream_grad_slice<N>(g, C, j, j == a, gx_p, o);
                     __stcs(grad_hs + j * stream_stride + out_slice, pack_bf16x8(o));
                 }
                 float o[kVec];
@@ -369,16 +339,12 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
         if (!valid_of(c)) continue;
         const long long e0 = static_cast<long long>(slice_of(c)) * kVec;
 #pragma unroll
-        for (int n = 0; n < N; ++n) {
+        for (int n = 0; n <= N; ++n) {  // dR_0 .. dR_{N-1}, then dw (n = N)
             float4* p = reinterpret_cast<float4*>(out + n * static_cast<long long>(hidden) + e0);
             const int q = n * SLICES + c;
             p[0] = make_float4(acc(q, 0), acc(q, 1), acc(q, 2), acc(q, 3));
             p[1] = make_float4(acc(q, 4), acc(q, 5), acc(q, 6), acc(q, 7));
         }
-        float4* p = reinterpret_cast<float4*>(out + N * static_cast<long long>(hidden) + e0);
-        const int q = N * SLICES + c;
-        p[0] = make_float4(acc(q, 0), acc(q, 1), acc(q, 2), acc(q, 3));
-        p[1] = make_float4(acc(q, 4), acc(q, 5), acc(q, 6), acc(q, 7));
     }
     if (threadIdx.x < NCOEF) out[static_cast<long long>(N + 1) * hidden + threadIdx.x] = coef_acc;
 }

@@ -191,18 +191,7 @@ __device__ __forceinline__ void v3_write_coef_partials(float* __restrict__ part,
 
 template <int N, int A, int SLICES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? ALTUP_V3_ONE_BLOCK_THREADS : ALTUP_V3_TWO_BLOCK_THREADS, MIN_BLOCKS)
-predict_correct_backward_v3(
-    const uint4* __restrict__ grad,      // [N, M, H] bf16
-    const uint4* __restrict__ hs,        // [N, M, H] bf16
-    const uint4* __restrict__ act,       // [M, H] bf16
-    const unsigned short* __restrict__ P,  // [N*N, N] bf16
-    const unsigned short* __restrict__ Q,  // [N, N] bf16
-    const uint4* __restrict__ router,    // [N, H] bf16
-    const uint4* __restrict__ norm,      // [H] bf16
-    uint4* __restrict__ grad_hs,         // [N, M, H] bf16
-    uint4* __restrict__ grad_act,        // [M, H] bf16
-    float* __restrict__ partials,        // [gridDim.x, partial_stride(N, H)] fp32
-    const int hidden, const long long tokens, const float eps) {
+predict_correct_backward_v3(SINGLE_PASS_BACKWARD_PARAMETERS) {
     using L = SliceLayout<N>;
     extern __shared__ float S[];  // [N][SLICES][8][blockDim.x]: this block's S
     __shared__ V3Shared<N> sh;

@@ -82,20 +82,8 @@ __device__ __forceinline__ void v4_token_scalars(const float* __restrict__ t, fl
         m_p[n] = tanhf(r_p * v[L::kAp + n] * inv_h);
         m_c[n] = tanhf(r_c * v[L::kAc + n] * inv_h);
     }
-#pragma unroll
-    for (int ij = 0; ij < N * N; ++ij) {
-        float c = 0.0f;
-#pragma unroll
-        for (int l = 0; l < N; ++l) c = fmaf(P[ij * N + l], m_p[l], c);
-        C[ij] = c;
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        float kk = 1.0f;
-#pragma unroll
-        for (int l = 0; l < N; ++l) kk = fmaf(Q[i * N + l], m_c[l], kk);
-        k[i] = kk;
-    }
+    matrix_vector<N * N, N>(P, m_p, 0.0f, C);
+    matrix_vector<N, N>(Q, m_c, 1.0f, k);
     // gk_i = <g_i, delta>; dC_ij = <gpred_i, h_j> = G_ij - [i==a] <gd, h_j>
     float gk[N], dC[N * N];
 #pragma unroll
@@ -115,16 +103,12 @@ __device__ __forceinline__ void v4_token_scalars(const float* __restrict__ t, fl
     }
     // through tanh: gz_c = (Q^T gk)(1 - m_c^2), gz_p = (P^T dC)(1 - m_p^2)
     float gz_p[N], gz_c[N];
+    transposed_matrix_vector<N, N>(Q, gk, gz_c);
+    transposed_matrix_vector<N * N, N>(P, dC, gz_p);
 #pragma unroll
     for (int l = 0; l < N; ++l) {
-        float gm = 0.0f;
-#pragma unroll
-        for (int i = 0; i < N; ++i) gm = fmaf(Q[i * N + l], gk[i], gm);
-        gz_c[l] = gm * (1.0f - m_c[l] * m_c[l]);
-        gm = 0.0f;
-#pragma unroll
-        for (int ij = 0; ij < N * N; ++ij) gm = fmaf(P[ij * N + l], dC[ij], gm);
-        gz_p[l] = gm * (1.0f - m_p[l] * m_p[l]);
+        gz_c[l] *= 1.0f - m_c[l] * m_c[l];
+        gz_p[l] *= 1.0f - m_p[l] * m_p[l];
     }
     if ((threadIdx.x & 31) != 0) return;
     // coefficient gradients: dP[N*i+j][l] += dC_ij m_p[l], dQ[i][l] += gk_i m_c[l]
@@ -182,24 +166,11 @@ struct V4Shared {
 static_assert(sizeof(V4Shared<4>) + ALTUP_V4_MAX_STAGES * sizeof(unsigned long long) <= ALTUP_V4_STATIC_SHARED_BOUND,
               "_sources.V4_STATIC_SHARED_BOUND");
 
-// Dynamic shared memory (host: v4_shared_bytes): `stages` stages of (2N+1) rows of H bf16, then
-// the R * w planes, N * H fp32. Block: one compute thread per slice, rounded up to whole warps,
-// plus the scalar warp: at most 11 warps (H <= 2560), so three warps share a scheduler's 16K
-// registers and each thread may hold 128 (at 17 warps, for H = 4096, the cap would be 96 and S
-// would spill): ALTUP_V4_MAX_THREADS.
+// Everything a v4 block does: its tokens, then its weight-gradient partial row (each warp returns
+// once it has written its share; v5's kernel goes on from there). Dynamic shared memory (host:
+// v4_shared_bytes): `stages` stages of (2N+1) rows of H bf16, then the R * w planes, N * H fp32.
 template <int N, int A>
-__global__ void __launch_bounds__(ALTUP_V4_MAX_THREADS, 1) predict_correct_backward_v4(
-    const uint4* __restrict__ grad,      // [N, M, H] bf16
-    const uint4* __restrict__ hs,        // [N, M, H] bf16
-    const uint4* __restrict__ act,       // [M, H] bf16
-    const unsigned short* __restrict__ P,  // [N*N, N] bf16
-    const unsigned short* __restrict__ Q,  // [N, N] bf16
-    const uint4* __restrict__ router,    // [N, H] bf16
-    const uint4* __restrict__ norm,      // [H] bf16
-    uint4* __restrict__ grad_hs,         // [N, M, H] bf16
-    uint4* __restrict__ grad_act,        // [M, H] bf16
-    float* __restrict__ partials,        // [gridDim.x, partial_stride(N, H)] fp32
-    const int hidden, const long long tokens, const float eps, const int stages) {
+__device__ __forceinline__ void v4_block_backward(SINGLE_PASS_BACKWARD_PARAMETERS, const int stages) {
     using L = SliceLayout<N>;
     constexpr int kRows = 2 * N + 1;
     extern __shared__ __align__(16) uint4 ring[];
@@ -306,4 +277,13 @@ __global__ void __launch_bounds__(ALTUP_V4_MAX_THREADS, 1) predict_correct_backw
         }
     }
     if (owns_slice) slice_write_router_partials<N>(part, s, router, norm, slice, slices, inv_h);
+}
+
+// Block: one compute thread per slice, rounded up to whole warps, plus the scalar warp: at most
+// 11 warps (H <= 2560), so three warps share a scheduler's 16K registers and each thread may hold
+// 128 (at 17 warps, for H = 4096, the cap would be 96 and S would spill): ALTUP_V4_MAX_THREADS.
+template <int N, int A>
+__global__ void __launch_bounds__(ALTUP_V4_MAX_THREADS, 1) predict_correct_backward_v4(SINGLE_PASS_BACKWARD_PARAMETERS,
+                                                                                       const int stages) {
+    v4_block_backward<N, A>(grad, hs, act, P, Q, router, norm, grad_hs, grad_act, partials, hidden, tokens, eps, stages);
 }

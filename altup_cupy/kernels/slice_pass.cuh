@@ -1,8 +1,23 @@
-// slice_pass.cuh: the per-slice arithmetic of the single-pass backward (v3 and v4): the token's
+// slice_pass.cuh: the per-slice arithmetic of the single-pass backward (v3, v4, v5): the token's
 // dot products (pass 1) and its outputs and S accumulation (pass 2) for one 8-element slice,
-// the value layout of the block reduction, and the router/norm partials. The derivation is in
-// predict_correct_backward_v3.cu.
+// the value layout of the block reduction, the router/norm partials, and the parameters the
+// kernels share. The derivation is in predict_correct_backward_v3.cu.
 #pragma once
+
+// The parameters the single-pass backward kernels (v3, v4, v5) begin with, in the order the host
+// passes them (MAIN_ARGS in ops/predict_correct_backward_versions.py); a kernel adds its own after.
+#define SINGLE_PASS_BACKWARD_PARAMETERS                                                       \
+    const uint4* __restrict__ grad,        /* [N, M, H] bf16 */                               \
+    const uint4* __restrict__ hs,          /* [N, M, H] bf16 */                               \
+    const uint4* __restrict__ act,         /* [M, H] bf16 */                                  \
+    const unsigned short* __restrict__ P,  /* [N*N, N] bf16 */                                \
+    const unsigned short* __restrict__ Q,  /* [N, N] bf16 */                                  \
+    const uint4* __restrict__ router,      /* [N, H] bf16 */                                  \
+    const uint4* __restrict__ norm,        /* [H] bf16 */                                     \
+    uint4* __restrict__ grad_hs,           /* [N, M, H] bf16 */                               \
+    uint4* __restrict__ grad_act,          /* [M, H] bf16 */                                  \
+    float* __restrict__ partials,          /* [gridDim.x, partial_stride(N, H)] fp32 */       \
+    const int hidden, const long long tokens, const float eps
 
 template <int N>
 struct SliceLayout {
