@@ -41,7 +41,8 @@ def facts(index: int) -> tuple[int, str]:
 
 # Set to a compute capability (e.g. 80) to have the default version chosen as on a GPU of at most
 # that capability: what an A100 would run, checked on a newer GPU. Explicitly requested versions
-# and the kernels' compile target still follow the GPU at hand.
+# and the kernels' compile target still follow the GPU at hand. Read when a shape's version is
+# first picked (the choice is cached per shape), so set it before the first call.
 DISPATCH_CAP_VARIABLE = "ALTUP_MAX_COMPUTE_CAPABILITY"
 
 
