@@ -162,6 +162,19 @@ def host_cost_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 15, warm
     return statistics.median(per_call)
 
 
+def copy_floor(nbytes: int, device) -> Callable[[], None]:
+    """A bf16 device-to-device copy of nbytes / 4 elements: it reads and writes nbytes in all, the
+    pace of a kernel that moves exactly those bytes once and does nothing else."""
+    import torch
+
+    src = torch.zeros(int(nbytes) // 4, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+
+    def run() -> None:
+        dst.copy_(src)
+    return run
+
+
 def check_outputs(bench: OpBench, w: Workload, outputs: tuple, reference: tuple):
     """The worst match ratio and worst relative L2 error over the op's outputs, and the verdict."""
     reports = [tolerance_report(o, r, w.atol, w.rtol) for o, r in zip(outputs, reference, strict=True)]

@@ -189,14 +189,22 @@ def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float
     x0 = embeddings.reshape(tokens, hidden)
     projected = _gemm_f32(x0, torch.cat(list(projections)).T)  # [M, (N-1) H]: one GEMM for all k
     out = torch.empty((streams, *embeddings.shape), dtype=embeddings.dtype, device=embeddings.device)
-    _launch(MAGNITUDE_MATCH_SOURCE, f"altup_expand_forward_v1<{streams}>", embeddings, tokens, _row_threads(hidden),
-            (_ptr(x0), _ptr(projected), _ptr(out), numpy.int64(hidden), numpy.int64((streams - 1) * hidden),
-             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(floor)))
+    expand_epilogue(x0, projected, out, floor)
     return out, projected.view(*embeddings.shape[:-1], streams - 1, hidden)
 
 
-def _magnitude_match_backward(grad, stream_stride: int, scale: float, base, projected, proj_strides,
-                              grad_projected, grad_base, floor: float) -> None:
+def expand_epilogue(x0, projected, out, floor: float) -> None:
+    """out[0] = x0 and out[k] = projected[:, k-1] scaled to x0's root mean square (x0 bf16 [M, H],
+    projected fp32 [M, (N-1) H], out bf16 [N, M, H])."""
+    tokens, hidden = x0.shape
+    streams = out.shape[0]
+    _launch(MAGNITUDE_MATCH_SOURCE, f"altup_expand_forward_v1<{streams}>", x0, tokens, _row_threads(hidden),
+            (_ptr(x0), _ptr(projected), _ptr(out), numpy.int64(hidden), numpy.int64((streams - 1) * hidden),
+             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(floor)))
+
+
+def magnitude_match_backward(grad, stream_stride: int, scale: float, base, projected, proj_strides,
+                             grad_projected, grad_base, floor: float) -> None:
     streams = projected.numel() // base.numel() + 1
     hidden = base.shape[-1]
     base_type = "float" if grad_base.dtype == torch.float32 else "unsigned short"
@@ -214,7 +222,7 @@ def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor
     x0 = embeddings.reshape(tokens, hidden)
     grad_projected = torch.empty((tokens, (streams - 1) * hidden), dtype=embeddings.dtype, device=embeddings.device)
     grad_base = torch.empty((tokens, hidden), dtype=torch.float32, device=embeddings.device)
-    _magnitude_match_backward(grad_streams, tokens * hidden, 1.0, x0, projected, (hidden, (streams - 1) * hidden),
+    magnitude_match_backward(grad_streams, tokens * hidden, 1.0, x0, projected, (hidden, (streams - 1) * hidden),
                               grad_projected, grad_base, floor)
     weights = torch.cat(list(projections))  # [(N-1) H, H]
     grad_x0 = (_gemm_f32(grad_projected, weights) + grad_base).to(embeddings.dtype)
@@ -231,7 +239,7 @@ def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Te
     projected = torch.stack([_gemm_f32(s[k], U.T) for k, U in enumerate(projections, start=1)])
     grad_s = torch.empty_like(s)
     grad_projected = torch.empty((streams - 1, tokens, hidden), dtype=s.dtype, device=s.device)
-    _magnitude_match_backward(grad_output, 0, 1.0 / streams, s[0], projected, (tokens * hidden, hidden),
+    magnitude_match_backward(grad_output, 0, 1.0 / streams, s[0], projected, (tokens * hidden, hidden),
                               grad_projected, grad_s[0], floor)
     grad_U = []
     for k, U in enumerate(projections, start=1):

@@ -19,13 +19,17 @@ without the patch. GPU time: CUDA events around each call, L2 flushed before it,
 harness of altup_cupy.bench); wall time: host clock from issue to completion (synchronised),
 median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
 the test log next to them as gemma3n_gpu_tests.log.
+
+Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward;
+the expansion's epilogue and the magnitude-match backward) alone at M = 4096 and 8192 tokens, GPU
+time against a plain device copy of the bytes it must move (`vs_copy_floor`), in
+gemma3n_kernels.csv next to the training-step CSV.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import os
 import statistics
 import subprocess
@@ -40,9 +44,10 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 import altup_cupy.gemma3n as gemma3n  # noqa: E402
+from altup_cupy import gemma3n_kernels as kernels  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
 from altup_cupy._paths import results_dir  # noqa: E402
-from altup_cupy.bench import run_info, time_us  # noqa: E402
+from altup_cupy.bench import copy_floor, run_info, time_us, write_csv  # noqa: E402
 from altup_cupy.reference import gemma3n as ref  # noqa: E402
 from gemma3n_support import tiny_text_config  # noqa: E402
 from transformers.models.gemma3n import modeling_gemma3n as modeling  # noqa: E402
@@ -52,6 +57,9 @@ SHAPES = [(8, 1024), (1, 4096), (1, 256)]
 QUICK_SHAPES = [(1, 4096), (1, 256)]
 COLUMNS = ("what", "impl", "N", "H", "layers", "batch_size", "seq_len", "tokens", "gpu_median_us",
            "gpu_p10_us", "gpu_p90_us", "wall_median_us", "gpu", "git_sha", "date")
+KERNEL_TOKENS = (4096, 8192)
+KERNEL_COLUMNS = ("kernel", "N", "H", "tokens", "compulsory_bytes", "gpu_median_us", "copy_floor_us",
+                  "vs_copy_floor", "tbps", "gpu", "git_sha", "date")
 
 
 class AltUpStack(torch.nn.Module):
@@ -182,6 +190,51 @@ def bench_model_step(reps, warmup, info, batch=4, seq=1024):
     return rows
 
 
+def _kernel_cases(tokens: int):
+    """(kernel, call, compulsory bytes) for each row kernel at N = STREAMS, H = HIDDEN: the rows it
+    must read and write once (bf16 2 bytes, fp32 projections 4; the small weights left out)."""
+    n, h, m = STREAMS, HIDDEN, tokens
+    eps, scale, floor, active = 1e-6, 1.0 / HIDDEN, 1e-5, 0
+
+    def bf16(*shape):
+        return torch.randn(*shape, device="cuda").to(torch.bfloat16)
+
+    streams, grad, activated = bf16(n, 1, m, h), bf16(n, 1, m, h), bf16(1, m, h)
+    P, Q, R, w = bf16(n * n, n), bf16(n, n), bf16(n, h), 1 + 0.1 * bf16(h)
+    x0, projected = bf16(m, h), torch.randn(m, (n - 1) * h, device="cuda")
+    expanded, grad_projected = torch.empty_like(streams), torch.empty(m, (n - 1) * h, device="cuda").bfloat16()
+    grad_base = torch.empty(m, h, device="cuda")
+    row = 2 * m * h  # one bf16 row per token
+    return [
+        ("predict_forward", lambda: kernels.predict_forward(streams, P, R, w, active, eps, scale), 2 * n * row),
+        ("correct_forward", lambda: kernels.correct_forward(streams, activated, Q, R, w, active, eps, scale),
+         (2 * n + 1) * row),
+        ("predict_backward", lambda: kernels.predict_backward(grad, streams, P, R, w, active, eps, scale), 3 * n * row),
+        ("correct_backward", lambda: kernels.correct_backward(grad, streams, activated, Q, R, w, active, eps, scale),
+         (3 * n + 2) * row),
+        ("expand_epilogue", lambda: kernels.expand_epilogue(x0, projected, expanded, floor),
+         (1 + 2 * (n - 1) + n) * row),
+        ("magnitude_match_backward", lambda: kernels.magnitude_match_backward(
+            grad, m * h, 1.0, x0, projected, (h, (n - 1) * h), grad_projected, grad_base, floor),
+         (n + 1 + 2 * (n - 1) + (n - 1) + 2) * row),
+    ]
+
+
+def bench_kernels(reps, warmup, info):
+    rows = []
+    for tokens in KERNEL_TOKENS:
+        for name, call, nbytes in _kernel_cases(tokens):
+            ours = statistics.median(time_us(call, reps, warmup)[0])
+            floor = statistics.median(time_us(copy_floor(nbytes, "cuda"), reps, warmup)[0])
+            rows.append(dict(kernel=name, N=STREAMS, H=HIDDEN, tokens=tokens, compulsory_bytes=nbytes,
+                             gpu_median_us=f"{ours:.1f}", copy_floor_us=f"{floor:.1f}",
+                             vs_copy_floor=f"{ours / floor:.2f}", tbps=f"{nbytes / ours / 1e6:.2f}", **info))
+            print(f"{name:>26} M={tokens}: {ours:.1f} us, copy floor {floor:.1f} us ({ours / floor:.2f}x)",
+                  flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_tests(quick: bool, log: Path) -> int:
     command = [sys.executable, "-m", "pytest", "-v", "-rs", "tests/test_gemma3n_gpu.py",
                "tests/test_gemma3n_reference.py", "tests/test_gemma3n_torch.py", "tests/test_gemma3n_patch.py"]
@@ -214,12 +267,10 @@ def main() -> int:
     status = 0 if args.no_tests else run_tests(args.quick, args.out.with_name("gemma3n_gpu_tests.log"))
     reps, warmup = (5, 2) if args.quick else (20, 3)
     info = run_info()
+    write_csv(bench_kernels(reps, warmup, info), args.out.with_name("gemma3n_kernels.csv"), KERNEL_COLUMNS)
     rows = bench_altup_step(QUICK_SHAPES if args.quick else SHAPES, reps, warmup, info)
     rows += bench_model_step(reps, warmup, info)
-    with args.out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, args.out, COLUMNS)
     print(f"wrote {args.out}; tests {'passed' if status == 0 else 'FAILED (see the log)'}")
     return status
 
