@@ -99,12 +99,13 @@ def run_info() -> dict:
     }
 
 
-def time_us(fn: Callable[[], Any], reps: int, warmup: int,
-            headstart: bool = True) -> tuple[list[float], list[float]]:
+def time_us(fn: Callable[[], Any], reps: int, warmup: int, headstart: bool = True,
+            headstart_cycles: int = HOST_HEADSTART_CYCLES) -> tuple[list[float], list[float]]:
     """(event times, host issue times) per call in microseconds; L2 flushed before each call.
 
-    headstart: a GPU sleep after the flush lets the host issue the whole call before the start
-    event runs, so the event time is the GPU's work alone; without it the GPU is idle when the
+    headstart: a GPU sleep of `headstart_cycles` after the flush lets the host issue the whole
+    call before the start event runs, so the event time is the GPU's work alone (a call whose host
+    issue takes longer needs a longer sleep: `headstart_for`); without it the GPU is idle when the
     start event is recorded and the event time is the call's wall time.
     """
     import time
@@ -120,7 +121,7 @@ def time_us(fn: Callable[[], Any], reps: int, warmup: int,
     for start, end in zip(starts, ends):
         flush.zero_()
         if headstart:
-            torch.cuda._sleep(HOST_HEADSTART_CYCLES)
+            torch.cuda._sleep(headstart_cycles)
         else:
             torch.cuda.synchronize()
         start.record()
@@ -130,6 +131,12 @@ def time_us(fn: Callable[[], Any], reps: int, warmup: int,
         end.record()
         torch.cuda.synchronize()  # one call in flight at a time
     return [1e3 * s.elapsed_time(e) for s, e in zip(starts, ends)], host
+
+
+def headstart_for(host_us: float) -> int:
+    """GPU sleep cycles that outlast issuing a call of `host_us` on the host (twice over, at a
+    2 GHz clock), and never less than the default."""
+    return max(HOST_HEADSTART_CYCLES, int(2 * 2000 * host_us))
 
 
 def host_cost_us(fn: Callable[[], Any], calls: int = 100, rounds: int = 15, warmup: int = 20) -> float:
