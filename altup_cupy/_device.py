@@ -58,6 +58,12 @@ def default_dispatch_capability(capability: int) -> int:
     return min(capability, int(value))
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """The number of SMs of device `index` (launch grids are sized by it on every call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def check_supported(index: int) -> int:
     """The compute capability of device `index` (90 for 9.0), or the named error of `facts`."""
     return facts(index)[0]

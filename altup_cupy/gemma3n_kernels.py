@@ -22,8 +22,8 @@ from ._launch import PackedLaunch
 
 STREAMS = _sources.SUPPORTED_STREAMS
 MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in H / 8 threads
-# Blocks of the backward kernels per SM (one is resident at N = 4: ~150 registers a thread); a
-# second wave evens out the tokens per SM while the partials stay small.
+# Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
+# registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
 PREDICT_SOURCE = _sources.ALTUP_PREDICT_V1
 CORRECT_SOURCE = _sources.ALTUP_CORRECT_V1
@@ -82,8 +82,7 @@ def _launch(source: KernelSource, name: str, like: torch.Tensor, grid: int, thre
 
 
 def _backward_blocks(like: torch.Tensor, tokens: int) -> int:
-    sms = torch.cuda.get_device_properties(like.device).multi_processor_count
-    return max(1, min(tokens, sms * BACKWARD_BLOCKS_PER_SM))
+    return max(1, min(tokens, _device.sm_count(like.device.index) * BACKWARD_BLOCKS_PER_SM))
 
 
 def _partials(like: torch.Tensor, blocks: int, columns: int) -> tuple[torch.Tensor, int]:

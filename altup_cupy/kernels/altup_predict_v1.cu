@@ -57,8 +57,17 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     }
 }
 
+// Registers decide how many blocks share an SM, and one block is too few to keep the memory busy.
+// On sm_90 the backward fits 128 registers with no spills, so two blocks of 256 threads (H = 2048)
+// share an SM; the sm_8x compilers spill a few bytes under that cap, so there it stays uncapped.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PREDICT_BACKWARD_BOUNDS __maxnreg__(128)
+#else
+#define PREDICT_BACKWARD_BOUNDS __launch_bounds__(kRowThreadsMax)
+#endif
+
 template <int N, int A>
-__global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
+__global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(
     const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
     const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
     const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
@@ -88,19 +97,22 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
     }
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        float g[N][kVec], h[N][kVec];
+        // Registers bound the blocks per SM, so a thread never holds all 2N rows: the N rows of h
+        // stay, the rows of g pass through one at a time: once for the dot products, then once per
+        // output row after the block reduction. The first pass reads g through L1 (`load_reused`),
+        // so the later ones hit there instead of going back to memory.
+        float h[N][kVec];
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-            slice.load(grad_predictions + j * plane + t * hidden, g[j]);
-            slice.load(hidden_states + j * plane + t * hidden, h[j]);
-        }
+        for (int j = 0; j < N; ++j) slice.load(hidden_states + j * plane + t * hidden, h[j]);
         float sums[kSums];
         sums[0] = dot8(h[A], h[A]);
         router.project(h[A], sums + 1);
 #pragma unroll
         for (int i = 0; i < N; ++i) {
+            float g[kVec];
+            slice.load_reused(grad_predictions + i * plane + t * hidden, g);
 #pragma unroll
-            for (int j = 0; j < N; ++j) sums[1 + N + N * i + j] = dot8(g[i], h[j]);
+            for (int j = 0; j < N; ++j) sums[1 + N + N * i + j] = dot8(g, h[j]);
         }
         block_sum(sums, scratch);
         const float* Ap = sums + 1;
@@ -123,16 +135,17 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_backward_v1(
             if (j == A) {
                 router.input_grad(alpha, beta, h[j], out);
             } else {
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
+                RowSlice::zeros(out);
             }
 #pragma unroll
             for (int i = 0; i < N; ++i) {
+                float g[kVec];
+                slice.load_reused(grad_predictions + i * plane + t * hidden, g);
                 float c = (i == j) ? 1.0f : 0.0f;
 #pragma unroll
                 for (int l = 0; l < N; ++l) c = fmaf(P[(N * i + j) * N + l], route.m[l], c);
 #pragma unroll
-                for (int e = 0; e < kVec; ++e) out[e] = fmaf(c, g[i][e], out[e]);
+                for (int e = 0; e < kVec; ++e) out[e] = fmaf(c, g[e], out[e]);
             }
             slice.store(grad_hidden_states + j * plane + t * hidden, out);
         }

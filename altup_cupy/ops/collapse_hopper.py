@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import _arrays, _sources
+from .. import _arrays, _device, _sources
 from .._build import KernelSource, compile_offline
 from .._scratch import StreamScratch
 from .._sources import COLLAPSE_V1 as EPILOGUE_V1_SOURCE
@@ -273,10 +273,6 @@ def _launch(function, device: int, grid: int, threads: int, shared_bytes: int, s
 
 # ---- v2 launchers ---------------------------------------------------------------------------------
 
-def _device_sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 class _Operand:
     """A validated tensor and its address (what the launchers read of it)."""
 
@@ -337,7 +333,7 @@ def _prepare(hs_ptr: int, w_ptrs: Sequence[int], streams: int, rows: int, hidden
     key = (device, hs_ptr, tuple(w_ptrs), streams, rows, hidden, split_k)
     prepared = _prepared.get(key)
     if prepared is None:
-        plan = plan_gemm(rows, hidden, streams - 1, _device_sms(device), split_k)
+        plan = plan_gemm(rows, hidden, streams - 1, _device.sm_count(device), split_k)
         x_spec = tensor_map_spec(rows, hidden, BLOCK_M)
         w_spec = tensor_map_spec(hidden, hidden, BLOCK_N)
         stream_bytes = 2 * rows * hidden
@@ -387,7 +383,7 @@ def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, 
     _launch(gemm, device, plan.grid, THREADS, SHARED_BYTES, stream, [params], expression)
     if plan.splits > 1:
         count = slab // 4
-        blocks = min(_ceil_div(count, SPLIT_SUM_THREADS), 8 * _device_sms(device))
+        blocks = min(_ceil_div(count, SPLIT_SUM_THREADS), 8 * _device.sm_count(device))
         _launch(_function(SOURCE, SPLIT_SUM, device), device, blocks, SPLIT_SUM_THREADS, 0, stream,
                 [ctypes.c_uint64(target), ctypes.c_uint64(y.ptr), ctypes.c_int32(plan.splits),
                  ctypes.c_int64(count)], SPLIT_SUM)
@@ -413,7 +409,7 @@ def launch_v3(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, 
 def uses_row_statistics(rows: int, hidden: int, streams: int, device: int) -> bool:
     """Whether collapse_v3/v4 take their own path: only when v2 would not split K (for small M,
     splitting K to fill the GPU is worth more than the statistics); otherwise they are v2."""
-    return plan_gemm(rows, hidden, streams - 1, _device_sms(device)).splits == 1
+    return plan_gemm(rows, hidden, streams - 1, _device.sm_count(device)).splits == 1
 
 
 def _collapse(hidden_states: Any, weights: Any, eps: float, version: int, out: Any = None) -> Any:

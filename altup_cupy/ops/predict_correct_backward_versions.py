@@ -25,6 +25,7 @@ from typing import Iterator
 
 import torch
 
+from .. import _device
 from .. import _sources as S
 from .._launch import PackedLaunch
 from .._scratch import StreamScratch
@@ -50,11 +51,6 @@ def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int) -> int:
     """Resident blocks per SM: registers are allocated per warp in units of 256 (64K per SM, at
     most 64 warps), shared memory per block plus 1 KiB reserved (228 KiB per SM)."""
@@ -76,7 +72,7 @@ def _grid(kernel, threads: int, shared: int, cap: int, tokens: int, device: int,
     if carveout_shared:
         kernel.preferred_shared_memory_carveout = 100
     per_sm = blocks_per_sm(kernel.num_regs, threads, shared + kernel.shared_size_bytes, cap)
-    return min(tokens, _sm_count(device) * per_sm)
+    return min(tokens, _device.sm_count(device) * per_sm)
 
 
 class _Reduce:
