@@ -7,7 +7,8 @@
 #pragma once
 
 // H <= 8 * kRowThreadsMax (3072: Gemma 3n has 2048 and 2560): launch bounds of 384 threads leave
-// 168 registers a thread, which the backward kernels need at N = 4 to hold the rows unspilled.
+// 168 registers a thread, room for the backward kernels at N = 4 (the predict backward caps itself
+// lower on sm_90: altup_predict_v1.cu).
 constexpr int kRowThreadsMax = ALTUP_ROW_THREADS_MAX;
 
 struct RowSlice {
