@@ -222,7 +222,7 @@ def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor
     grad_projected = torch.empty((tokens, (streams - 1) * hidden), dtype=embeddings.dtype, device=embeddings.device)
     grad_base = torch.empty((tokens, hidden), dtype=torch.float32, device=embeddings.device)
     magnitude_match_backward(grad_streams, tokens * hidden, 1.0, x0, projected, (hidden, (streams - 1) * hidden),
-                              grad_projected, grad_base, floor)
+                             grad_projected, grad_base, floor)
     weights = torch.cat(list(projections))  # [(N-1) H, H]
     grad_x0 = (_gemm_f32(grad_projected, weights) + grad_base).to(embeddings.dtype)
     # one GEMM per matrix: the operator's outputs may not be views of one buffer
@@ -239,7 +239,7 @@ def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Te
     grad_s = torch.empty_like(s)
     grad_projected = torch.empty((streams - 1, tokens, hidden), dtype=s.dtype, device=s.device)
     magnitude_match_backward(grad_output, 0, 1.0 / streams, s[0], projected, (tokens * hidden, hidden),
-                              grad_projected, grad_s[0], floor)
+                             grad_projected, grad_s[0], floor)
     grad_U = []
     for k, U in enumerate(projections, start=1):
         torch.mm(grad_projected[k - 1], U, out=grad_s[k])

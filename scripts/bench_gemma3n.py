@@ -18,8 +18,7 @@ the same code:
 Plus one whole training step (forward, backward, AdamW) of a small Gemma3nForCausalLM with and
 without the patch. GPU time: CUDA events around each call, L2 flushed before it, median (the
 harness of altup_cupy.bench, the GPU's sleep before each call outlasting the call's host issue);
-wall time: host clock from issue to completion (synchronised),
-median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
+wall time: host clock from issue to completion (synchronised), median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
 the test log next to them as gemma3n_gpu_tests.log.
 
 Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward;
