@@ -9,14 +9,14 @@ As Liger-Kernel does, `patch()` replaces methods on transformers' classes and `p
 replacements on the modules of one instance:
 - `Gemma3nTextAltUp.predict` / `.correct` of every decoder layer -> `altup_cupy.torch.predict` /
   `.correct`, with transformers' semantics: N = config.altup_num_inputs, a = config.altup_active_idx,
-  eps = the router norm's eps, the router scale of the `router_input_scale` buffer, and in training
+  eps = the router norm's epsilon, the router scale of the `router_input_scale` buffer, and in training
   mode the coefficient clipping of `config.altup_coef_clip` (the prediction weights clamped in
   place, the correction weights clamped out of place, so their gradient is masked where the clamp
   is active).
-- the expansion and collapse that `Gemma3nTextModel.forward` writes inline -> `altup_cupy.torch.expand`
-  / `.collapse`: the installed forward's source with those two blocks replaced by the calls (found by
-  their text; where the installed version writes them differently, they stay transformers' own and a
-  warning says so). Everything else in the forward is the installed code.
+- `Gemma3nTextModel.forward`, which writes the expansion and collapse inline -> the package's own
+  copy of that forward with those two blocks on `altup_cupy.torch.expand` / `.collapse`
+  (`altup_cupy.gemma3n_forward`), used only where the installed forward is one it reproduces; on
+  any other transformers release they stay transformers' own and a warning says so.
 
 Where the kernels do not serve a call (not CUDA, not bfloat16, N outside 2..4, H % 8 != 0 or
 H > 3072), the call warns once and runs transformers' own code: never a wrong answer.
@@ -27,15 +27,12 @@ reference instead (for testing the integration without a GPU).
 from __future__ import annotations
 
 import importlib
-import inspect
-import re
-import textwrap
 import warnings
 from types import MethodType
 
 import torch
 
-from . import gemma3n_ops
+from . import gemma3n_forward, gemma3n_ops
 from . import torch as altup
 
 _MODELING = "transformers.models.gemma3n.modeling_gemma3n"
@@ -48,7 +45,7 @@ def _modeling():
     try:
         return importlib.import_module(_MODELING)
     except ImportError as error:
-        raise ImportError("altup_cupy.gemma3n needs transformers with Gemma 3n (transformers >= 4.53)") from error
+        raise ImportError("altup_cupy.gemma3n needs transformers >= 5.17: pip install \"altup_cupy[gemma3n]\"") from error
 
 
 def _original(cls: type, name: str):
@@ -77,17 +74,33 @@ def _coefficients(module, weight: torch.Tensor) -> torch.Tensor:
     return weight.clamp(-clip, clip) if module.training and clip is not None else weight
 
 
-_router_scales: dict[tuple[int, torch.dtype], float] = {}
+_ROUNDED_INVERSES: dict[tuple[int, torch.dtype], float] = {}
+
+
+@torch.compiler.assume_constant_result
+def _rounded_inverse(hidden: int, dtype: torch.dtype) -> float:
+    """1 / hidden made in fp32 and converted to `dtype`, as a Python float, computed once per
+    (hidden, dtype). torch.compile calls it while tracing and keeps the result as a constant of
+    the graph: no `.item()` in the trace, so no graph break."""
+    key = (hidden, dtype)
+    if key not in _ROUNDED_INVERSES:
+        _ROUNDED_INVERSES[key] = torch.tensor(hidden ** -1.0, dtype=torch.float32).to(dtype).item()
+    return _ROUNDED_INVERSES[key]
 
 
 def _router_scale(module) -> float:
     """The value of the module's `router_input_scale` buffer (1 / H made in fp32, then converted to
-    the buffer's dtype), computed on the host once per (H, dtype): reading the buffer itself would
+    the buffer's dtype), computed on the host from H and the dtype: reading the buffer would
     synchronise with the GPU on every call."""
-    key = (module.config.hidden_size, module.router_input_scale.dtype)
-    if key not in _router_scales:
-        _router_scales[key] = torch.tensor(key[0] ** -1.0, dtype=torch.float32).to(key[1]).item()
-    return _router_scales[key]
+    return _rounded_inverse(module.config.hidden_size, module.router_input_scale.dtype)
+
+
+def _router_eps(module) -> float:
+    """The router norm's epsilon: transformers >= 5.25 keeps it in `variance_epsilon`, earlier
+    releases in `eps`."""
+    norm = module.router_norm
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
 
 
 def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -97,7 +110,7 @@ def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if self.training and self.config.altup_coef_clip is not None:  # in place, as transformers does
         clip = self.config.altup_coef_clip
         self.prediction_coefs.weight.data.clamp_(-clip, clip)
-    return altup.predict(hidden_states.contiguous(), *weights, self.config.altup_active_idx, self.router_norm.eps,
+    return altup.predict(hidden_states.contiguous(), *weights, self.config.altup_active_idx, _router_eps(self),
                          _router_scale(self))
 
 
@@ -107,18 +120,10 @@ def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.
                  activated.shape[-1]):
         return _original(type(self), "correct")(self, predictions, activated)
     return altup.correct(predictions.contiguous(), activated.contiguous(), _coefficients(self, weights[0]),
-                         *weights[1:], self.config.altup_active_idx, self.router_norm.eps, _router_scale(self))
+                         *weights[1:], self.config.altup_active_idx, _router_eps(self), _router_scale(self))
 
 
-# ---- the text model's forward with the expansion and collapse blocks replaced ---------------------
-
-_EXPANSION = re.compile(
-    r"^(?P<indent>[ \t]*)target_magnitude = torch\.mean\(hidden_states_0\s*\*\*\s*2.*?"
-    r"^[ \t]*hidden_states = torch\.stack\(temp_hidden_states, dim=0\)[^\n]*$", re.S | re.M)
-_COLLAPSE = re.compile(
-    r"^(?P<indent>[ \t]*)target_magnitude = torch\.mean\(hidden_states\[0\]\s*\*\*\s*2.*?"
-    r"^[ \t]*hidden_states = torch\.mean\(hidden_states, dim=0\)[^\n]*$", re.S | re.M)
-
+# ---- the text model's forward, with the expansion and collapse on our operators ----------------
 
 def _expand(model, embeddings: torch.Tensor) -> torch.Tensor:
     return altup.expand(embeddings.contiguous(), [p.weight for p in model.altup_projections])
@@ -128,28 +133,15 @@ def _collapse(model, hidden_states: torch.Tensor) -> torch.Tensor:
     return altup.collapse(hidden_states.contiguous(), [p.weight for p in model.altup_unembed_projections])
 
 
-def _rewritten_forward(modeling, original):
-    """The installed forward with its two blocks replaced, or None (with a warning) if not found."""
-    source = textwrap.dedent(inspect.getsource(original))
-    # auto_docstring only writes documentation, and needs the class being defined: dropped.
-    rewritten = re.sub(r"^@auto_docstring[^\n]*\n", "", source, flags=re.M)
-    for pattern, call in ((_EXPANSION, "hidden_states = _altup_cupy_expand(self, hidden_states_0)"),
-                          (_COLLAPSE, "hidden_states = _altup_cupy_collapse(self, hidden_states)")):
-        matches = list(pattern.finditer(rewritten))
-        if len(matches) != 1:
-            warnings.warn("altup_cupy.gemma3n: this transformers' Gemma3nTextModel.forward does not write the "
-                          "AltUp expansion/collapse as expected; they stay transformers' own", stacklevel=3)
-            return None
-        rewritten = pattern.sub(lambda m: m.group("indent") + call, rewritten)
-    namespace = dict(vars(modeling), _altup_cupy_expand=_expand, _altup_cupy_collapse=_collapse)
-    exec(compile(rewritten, f"<altup_cupy.gemma3n: {modeling.__name__}.Gemma3nTextModel.forward>", "exec"), namespace)
-    return namespace[original.__name__]
-
-
 def _model_forward(modeling):
+    """Gemma3nTextModel.forward on our expansion and collapse (`gemma3n_forward`), or None (with a
+    warning) where the installed forward is not one that module reproduces."""
     original = _original(modeling.Gemma3nTextModel, "forward")
-    rewritten = _rewritten_forward(modeling, original)
-    if rewritten is None:
+    patched = gemma3n_forward.text_model_forward(modeling, original, _expand, _collapse)
+    if patched is None:
+        warnings.warn("altup_cupy.gemma3n: this transformers release's Gemma3nTextModel.forward is not one the "
+                      "package reproduces (altup_cupy.gemma3n_forward.KNOWN_FORWARDS); the AltUp expansion and "
+                      "collapse stay transformers' own", stacklevel=3)
         return None
 
     def forward(self, *args, **kwargs):
@@ -158,7 +150,7 @@ def _model_forward(modeling):
             probe.append(kwargs["inputs_embeds"])
         if _unserved("AltUp expansion/collapse", probe, self.config.altup_num_inputs, self.config.hidden_size):
             return original(self, *args, **kwargs)
-        return rewritten(self, *args, **kwargs)
+        return patched(self, *args, **kwargs)
 
     forward.__doc__, forward.__wrapped__ = original.__doc__, original
     return forward

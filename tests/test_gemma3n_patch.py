@@ -12,7 +12,10 @@ import torch
 from gemma3n_support import tiny_text_config, transformers_gemma3n
 
 modeling = transformers_gemma3n()
+import transformers  # noqa: E402
+
 import altup_cupy.gemma3n as gemma3n  # noqa: E402  (needs transformers)
+from altup_cupy import gemma3n_forward  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
 
 FP32_TOL = dict(rtol=2e-4, atol=2e-5)  # two fp32 evaluation orders of the same math
@@ -149,12 +152,97 @@ def test_unserved_calls_warn_and_run_transformers_code(seeds, op_calls):
 
 
 def test_unrecognised_forward_keeps_expansion_and_collapse(seeds, monkeypatch, op_calls):
-    monkeypatch.setattr(gemma3n, "_EXPANSION", gemma3n.re.compile("no such code"))
+    monkeypatch.setattr(gemma3n_forward, "KNOWN_FORWARDS", {})
     with pytest.warns(UserWarning, match="stay transformers' own"):
         gemma3n.patch(serve_cpu=True)
     assert "forward" not in [name for (_, name) in gemma3n._originals]
     _model(seeds())(input_ids=torch.randint(3, 64, (1, 4)))
     assert op_calls["expand"] == 0 and op_calls["predict"] == 2
+
+
+def test_installed_forward_is_one_the_package_reproduces():
+    """A transformers release whose Gemma3nTextModel.forward changed fails here, not in a user's
+    program: the hand-written forward must be checked against it and its fingerprint added."""
+    installed = modeling.Gemma3nTextModel.__dict__["forward"]
+    assert gemma3n_forward.fingerprint(installed) in gemma3n_forward.KNOWN_FORWARDS, (
+        f"transformers {transformers.__version__}: Gemma3nTextModel.forward has fingerprint "
+        f"{gemma3n_forward.fingerprint(installed)}, not in altup_cupy.gemma3n_forward.KNOWN_FORWARDS")
+
+
+def _documented():
+    def forward(self, x):
+        """documented"""
+        return x + 1  # a comment
+    return forward
+
+
+def _commented():
+    def forward(self, x):
+        # another comment
+
+        return x + 1
+    return forward
+
+
+def _changed():
+    def forward(self, x):
+        return x + 2
+    return forward
+
+
+def test_fingerprint_ignores_comments_and_docstrings_only():
+    assert gemma3n_forward.fingerprint(_documented()) == gemma3n_forward.fingerprint(_commented())
+    assert gemma3n_forward.fingerprint(_documented()) != gemma3n_forward.fingerprint(_changed())
+
+
+@pytest.mark.parametrize("eps", (1e-6, 0.5))
+def test_router_norm_epsilon_reaches_the_operators(seeds, eps):
+    """The router norm's epsilon, wherever this transformers release keeps it (eps or
+    variance_epsilon), is the one the operators get: at 0.5 a wrong one changes the output."""
+    torch.manual_seed(seeds())
+    model = modeling.Gemma3nTextModel(tiny_text_config(rms_norm_eps=eps)).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.altup.prediction_coefs.weight.normal_(0.0, 0.5)
+            layer.altup.correction_coefs.weight.normal_(0.0, 0.5)
+            layer.altup.modality_router.weight.normal_(0.0, 4.0)
+    patched = copy.deepcopy(model)
+    gemma3n.patch(patched, serve_cpu=True)
+    ids = torch.randint(3, 64, (2, 7))
+    assert gemma3n._router_eps(patched.layers[0].altup) == eps
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
+                                   **FP32_TOL)
+
+
+def _graph_breaks(model, ids):
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(input_ids=ids)
+    return explanation.graph_break_count, [str(reason) for reason in explanation.break_reasons]
+
+
+def test_torch_compile_adds_no_graph_break_and_matches_eager(seeds):
+    """torch.compile of the patched model (the aot_eager backend, which runs the operators' fake
+    and autograd registrations without a C++ compiler): no graph break the unpatched model does
+    not have, none inside altup_cupy, and the same loss gradients as the patched model in eager."""
+    model = _model(seeds()).train()
+    patched = copy.deepcopy(model)
+    gemma3n.patch(patched, serve_cpu=True)
+    ids = torch.randint(3, 64, (2, 9))
+    breaks, _ = _graph_breaks(model, ids)
+    patched_breaks, reasons = _graph_breaks(patched, ids)
+    assert patched_breaks == breaks, reasons
+    assert not [reason for reason in reasons if "altup_cupy" in reason], reasons
+    grad_seed = seeds()
+    eager_out, eager_grads = _run(patched, ids, grad_seed)
+    patched.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    compiled_out, compiled_grads = _run(torch.compile(patched, backend="aot_eager"), ids, grad_seed)
+    torch.testing.assert_close(compiled_out, eager_out, **FP32_TOL)
+    compiled_grads = {name.removeprefix("_orig_mod."): g for name, g in compiled_grads.items()}
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, g in compiled_grads.items():
+        _assert_close_normwise(g, eager_grads[name], name)
 
 
 def test_patch_refuses_other_models():

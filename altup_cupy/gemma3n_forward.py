@@ -1,0 +1,108 @@
+"""Gemma3nTextModel.forward written out by hand, with the AltUp expansion and collapse on altup_cupy.
+
+transformers writes the expansion (the token embeddings -> N streams) and the collapse (N streams
+-> one hidden state) inline in `Gemma3nTextModel.forward`, so the only way to run them on our
+operators is to replace that forward. As Liger-Kernel does for the models it patches, the package
+keeps its own copy of the forward: the installed forward's steps in the installed order, with the
+two inline blocks replaced by `expand(self, embeddings)` and `collapse(self, streams)`.
+
+A hand-written forward is right only for the transformers releases it was written against.
+`KNOWN_FORWARDS` maps the fingerprint of each such release's forward (its syntax tree, without
+docstring or comments) to the two names that differ between them: the keyword that carries the KV
+cache and the class that holds the KV states shared between layers. `text_model_forward` returns
+None for any other forward, and the patch then keeps transformers' forward (with a warning).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import hashlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between the forwards this module reproduces."""
+
+    releases: str  # the transformers releases checked to have this forward (documentation)
+    cache_keyword: str  # the keyword of the KV cache in the forward, the mask builders and the layers
+    kv_storage: str  # the class of the per-call store of shared KV states: "UserDict" or a modeling name
+
+
+KNOWN_FORWARDS = {
+    "ba4e9bd9da9c5bb1": Dialect("5.17 - 5.22", "past_key_values", "UserDict"),
+    "dbf400850f7e5ec5": Dialect("5.23", "past_key_values", "KVSharingDict"),
+    "1a5fb3d2afc2ef61": Dialect("5.24 - 5.25", "cache", "KVSharingDict"),
+}
+
+
+def fingerprint(function: Callable) -> str:
+    """A hash of `function`'s source as a syntax tree: decorators and code, not its docstring,
+    comments or layout. Hashed as the tree written back to source (`ast.unparse`), which is the
+    same on every Python release the package supports (`ast.dump` is not: 3.12 added fields)."""
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+    definition = ast.parse(source).body[0]
+    if ast.get_docstring(definition) is not None:
+        definition.body = definition.body[1:]
+    return hashlib.sha256(ast.unparse(definition).encode()).hexdigest()[:16]
+
+
+def _kv_storage(modeling, dialect: Dialect) -> type:
+    return collections.UserDict if dialect.kv_storage == "UserDict" else getattr(modeling, dialect.kv_storage)
+
+
+def text_model_forward(modeling, installed: Callable, expand: Callable, collapse: Callable) -> Callable | None:
+    """The forward for the installed `modeling_gemma3n` module, or None if `installed` (its
+    Gemma3nTextModel.forward) is not one of KNOWN_FORWARDS. expand(model, embeddings) -> streams
+    [N, B, S, H]; collapse(model, streams) -> [B, S, H], before the final norm."""
+    dialect = KNOWN_FORWARDS.get(fingerprint(installed))
+    if dialect is None:
+        return None
+    cache_keyword = dialect.cache_keyword
+    kv_storage = _kv_storage(modeling, dialect)
+
+    def forward(self, input_ids: torch.LongTensor | None = None, per_layer_inputs: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
+                cache=None, inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, **kwargs):
+        # The KV cache arrives under either name: `cache` (transformers >= 5.24) or `past_key_values`.
+        cache = kwargs.pop("past_key_values", cache)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            inputs_embeds = self.embed_tokens(input_ids)
+            per_layer_inputs = self.get_per_layer_inputs(input_ids)
+        per_layer_inputs = self.project_per_layer_inputs(inputs_embeds, per_layer_inputs)
+
+        if use_cache and cache is None:
+            cache = modeling.DynamicCache(config=self.config)
+        if position_ids is None:
+            seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + seen).unsqueeze(0)
+
+        masks = attention_mask  # already one mask per attention type when `generate` prepared them
+        if not isinstance(masks, dict):
+            mask_arguments = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                              cache_keyword: cache, "position_ids": position_ids}
+            masks = {"full_attention": modeling.create_causal_mask(**mask_arguments),
+                     "sliding_attention": modeling.create_sliding_window_causal_mask(**mask_arguments)}
+
+        hidden_states = expand(self, inputs_embeds)  # [N, B, S, H]
+        layer_types = self.config.layer_types
+        position_embeddings = {kind: self.rotary_emb(hidden_states, position_ids, kind) for kind in set(layer_types)}
+        shared_kv_states = kv_storage()  # filled by the layers that store KV states for later ones
+        for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            hidden_states = decoder_layer(hidden_states, position_embeddings[layer_types[i]], per_layer_inputs[:, :, i, :],
+                                          shared_kv_states=shared_kv_states, attention_mask=masks[layer_types[i]],
+                                          position_ids=position_ids, **{cache_keyword: cache}, **kwargs)
+        hidden_states = self.norm(collapse(self, hidden_states))
+        return modeling.BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)
+
+    # The installed forward's own decorators, outermost last (KNOWN_FORWARDS pins them): defaults
+    # from the config (use_cache), and the hooks that collect hidden states and attentions.
+    return modeling.merge_with_config_defaults(modeling.capture_outputs(tie_last_hidden_states=False)(forward))
