@@ -176,7 +176,8 @@ ALTUP_MAGNITUDE_MATCH_V1 = KernelSource(
     + tuple(f"altup_magnitude_match_backward_v1<{n}, {t}>" for n in SUPPORTED_STREAMS
             for t in ("float", "unsigned short")),
     min_arch=80, defines=_ROWS)
-ALTUP_COLUMN_SUM_V1 = KernelSource("altup_column_sum_v1.cu", ("altup_column_sum_v1",), min_arch=80)
+ALTUP_ROUTER_GRADS_V1 = KernelSource(
+    "altup_router_grads_v1.cu", tuple(f"altup_router_grads_v1<{n}>" for n in SUPPORTED_STREAMS), min_arch=80)
 
 ALL_SOURCES = (
     COLLAPSE_V1,
@@ -190,5 +191,5 @@ ALL_SOURCES = (
     ALTUP_PREDICT_V1,
     ALTUP_CORRECT_V1,
     ALTUP_MAGNITUDE_MATCH_V1,
-    ALTUP_COLUMN_SUM_V1,
+    ALTUP_ROUTER_GRADS_V1,
 )

@@ -4,13 +4,13 @@ Each launcher takes bf16 CUDA tensors already validated by `gemma3n_ops` (contig
 aligned rows, H % 8 == 0, 2 <= N <= 4) and runs on torch's current stream of the tensors'
 device. The projection GEMMs of the expansion and collapse run in cuBLAS through torch
 (`torch.mm(..., out_dtype=torch.float32)`: bf16 inputs, fp32 accumulation and output, so the
-projections are never rounded before the epilogue). Weight gradients are written per block and
-summed in a fixed order by `altup_column_sum_v1`: every result is bitwise deterministic.
+projections are never rounded before the epilogue). The predict and correct backward write their
+weight gradients per block; `altup_router_grads_v1` sums them in a fixed order and finishes them
+in bf16: every result is bitwise deterministic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy
@@ -28,22 +28,22 @@ BACKWARD_BLOCKS_PER_SM = 2
 PREDICT_SOURCE = _sources.ALTUP_PREDICT_V1
 CORRECT_SOURCE = _sources.ALTUP_CORRECT_V1
 MAGNITUDE_MATCH_SOURCE = _sources.ALTUP_MAGNITUDE_MATCH_V1
-COLUMN_SUM_SOURCE = _sources.ALTUP_COLUMN_SUM_V1
+ROUTER_GRADS_SOURCE = _sources.ALTUP_ROUTER_GRADS_V1
 
 
 class PredictGradients(NamedTuple):
     grad_hidden_states: torch.Tensor  # bf16 [N, B, S, H]
-    grad_prediction_coefs: torch.Tensor  # fp32 [N*N, N]
-    grad_router_weight: torch.Tensor  # fp32 [N, H]
-    grad_norm_weight: torch.Tensor  # fp32 [H]
+    grad_prediction_coefs: torch.Tensor  # bf16 [N*N, N]
+    grad_router_weight: torch.Tensor  # bf16 [N, H]
+    grad_norm_weight: torch.Tensor  # bf16 [H]
 
 
 class CorrectGradients(NamedTuple):
     grad_predictions: torch.Tensor  # bf16 [N, B, S, H]
     grad_activated: torch.Tensor  # bf16 [B, S, H]
-    grad_correction_coefs: torch.Tensor  # fp32 [N, N]
-    grad_router_weight: torch.Tensor  # fp32 [N, H]
-    grad_norm_weight: torch.Tensor  # fp32 [H]
+    grad_correction_coefs: torch.Tensor  # bf16 [N, N]
+    grad_router_weight: torch.Tensor  # bf16 [N, H]
+    grad_norm_weight: torch.Tensor  # bf16 [H]
 
 
 def _ptr(tensor: torch.Tensor) -> numpy.uint64:
@@ -56,21 +56,30 @@ def _row_threads(hidden: int) -> int:
     return max(64, (hidden // 8 + 31) // 32 * 32)
 
 
-# The C type of a kernel argument (`_launch.ARG_TYPES`), by the numpy scalar type the launchers
-# below wrap it in.
-_ARG_TYPES = {numpy.uint64: "ptr", numpy.int64: "i64", numpy.int32: "i32", numpy.float32: "f32"}
-# The packed launches built so far, one per source, kernel, device, block size, shared-memory size
-# and argument types: a launch converts no argument and looks up no kernel after the first.
+# The argument lists of the kernels, as `_launch.ARG_CODES` types: fixed per kernel, so a call
+# builds no key from its arguments.
+_PTR = ("ptr",)
+_FORWARD_TAIL = ("i64", "i32", "f32", "f32")  # tokens, hidden, eps, router scale
+_BACKWARD_TAIL = ("i64", "i64", "i32", "f32", "f32")  # partial stride, tokens, hidden, eps, router scale
+PREDICT_FORWARD_ARGS = _PTR * 5 + _FORWARD_TAIL
+PREDICT_BACKWARD_ARGS = _PTR * 7 + _BACKWARD_TAIL
+CORRECT_FORWARD_ARGS = _PTR * 6 + _FORWARD_TAIL
+CORRECT_BACKWARD_ARGS = _PTR * 9 + _BACKWARD_TAIL
+ROUTER_GRADS_ARGS = ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")
+EXPAND_FORWARD_ARGS = _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")
+MAGNITUDE_MATCH_BACKWARD_ARGS = _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")
+
+# The packed launches built so far, one per source, kernel, device, block size and shared-memory
+# size: a launch converts no argument and looks up no kernel after the first.
 _PACKED: dict[tuple, PackedLaunch] = {}
 
 
-def _launch(source: KernelSource, name: str, like: torch.Tensor, grid: int, threads: int, args,
-            shared_mem: int = 0) -> None:
+def _launch(source: KernelSource, name: str, like: torch.Tensor, grid: int, threads: int,
+            arg_types: tuple[str, ...], args, shared_mem: int = 0) -> None:
     """One launch on torch's current stream of `like`'s device (its raw handle: a capture of that
     stream captures the launch)."""
     device = like.device.index
-    arg_types = tuple(_ARG_TYPES[type(arg)] for arg in args)
-    key = (source.filename, name, device, threads, shared_mem, arg_types)
+    key = (source.filename, name, device, threads, shared_mem)
     with _device.on(like.device):
         launch = _PACKED.get(key)
         if launch is None:
@@ -91,19 +100,21 @@ def _partials(like: torch.Tensor, blocks: int, columns: int) -> tuple[torch.Tens
     return torch.empty((blocks, stride), dtype=torch.float32, device=like.device), stride
 
 
-def _column_sum(partials: torch.Tensor, columns: int) -> torch.Tensor:
-    out = torch.empty(columns, dtype=torch.float32, device=partials.device)
-    # 32 columns a block, 32 chains of rows each (kernels/altup_column_sum_v1.cu)
-    _launch(COLUMN_SUM_SOURCE, "altup_column_sum_v1", partials, (columns + 31) // 32, 1024,
-            (_ptr(partials), numpy.int32(partials.shape[0]), numpy.int64(partials.shape[1]),
-             numpy.int64(columns), _ptr(out)))
-    return out
-
-
-def _router_grads(S: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor, router_scale: float):
-    """dR = s w S and dw = s sum_n R_n S_n from S_nd = sum_t r gz_n x_d (fp32)."""
-    w, R = norm_weight.float(), router_weight.float()
-    return router_scale * w * S, router_scale * (R * S).sum(dim=0)
+def _router_grads(partials: torch.Tensor, coef_columns: int, router_weight: torch.Tensor,
+                  norm_weight: torch.Tensor, router_scale: float):
+    """(grad of the coefficients, flat; grad R; grad w), bf16, from a backward kernel's partials
+    (kernels/altup_router_grads_v1.cu: the sums in a fixed order, then dR = s w S and
+    dw = s sum_n R_n S_n)."""
+    streams, hidden = router_weight.shape
+    grad_coefs = torch.empty(coef_columns, dtype=router_weight.dtype, device=router_weight.device)
+    grad_R, grad_w = torch.empty_like(router_weight), torch.empty_like(norm_weight)
+    # 32 columns a block, 32 chains of partial rows each: the hidden columns, then the coefficients
+    grid = (hidden + 31) // 32 + (coef_columns + 31) // 32
+    _launch(ROUTER_GRADS_SOURCE, f"altup_router_grads_v1<{streams}>", partials, grid, 1024, ROUTER_GRADS_ARGS,
+            (_ptr(partials), numpy.int32(partials.shape[0]), numpy.int64(partials.shape[1]), numpy.int32(hidden),
+             numpy.int32(coef_columns), _ptr(router_weight), _ptr(norm_weight), numpy.float32(router_scale),
+             _ptr(grad_coefs), _ptr(grad_R), _ptr(grad_w)))
+    return grad_coefs, grad_R, grad_w
 
 
 def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx: int,
@@ -112,33 +123,31 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     tokens = hidden_states[0].numel() // hidden
     out = torch.empty_like(hidden_states)
     _launch(PREDICT_SOURCE, f"altup_predict_forward_v1<{streams}, {active_idx}>", hidden_states, tokens,
-            _row_threads(hidden),
+            _row_threads(hidden), PREDICT_FORWARD_ARGS,
             (_ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight), _ptr(norm_weight), _ptr(out),
              numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
     return out
 
 
-def _routed_backward(source: KernelSource, name: str, tensors: Sequence[torch.Tensor], coef_columns: int,
+def _routed_backward(source: KernelSource, name: str, arg_types: tuple[str, ...], tensors: Sequence[torch.Tensor],
+                     coef_columns: int,
                      router_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_scale: float,
                      shared_mem: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches the predict or correct backward kernel `name` and sums its per-block partials.
 
     tensors: the kernel's pointer arguments before the partials, the first one [N, B, S, H]. A block's
     partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
-    columns. Returns (the coefficient gradient, flat; grad R; grad w), all fp32."""
+    columns. Returns (the coefficient gradient, flat; grad R; grad w), in the weights' dtype (bf16)."""
     like = tensors[0]
     streams, hidden = like.shape[0], like.shape[-1]
     tokens = like[0].numel() // hidden
     blocks = _backward_blocks(like, tokens)
-    columns = streams * hidden + coef_columns
-    partials, stride = _partials(like, blocks, columns)
-    _launch(source, name, like, blocks, _row_threads(hidden),
+    partials, stride = _partials(like, blocks, streams * hidden + coef_columns)
+    _launch(source, name, like, blocks, _row_threads(hidden), arg_types,
             (*map(_ptr, tensors), _ptr(partials), numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden),
              numpy.float32(eps), numpy.float32(router_scale)),
             shared_mem=shared_mem)
-    sums = _column_sum(partials, columns)
-    S = sums[: streams * hidden].view(streams, hidden)
-    return (sums[streams * hidden:], *_router_grads(S, router_weight, norm_weight, router_scale))
+    return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
 
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
@@ -146,7 +155,7 @@ def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_w
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     grad_h = torch.empty_like(hidden_states)
     grad_P, grad_R, grad_w = _routed_backward(
-        PREDICT_SOURCE, f"altup_predict_backward_v1<{streams}, {active_idx}>",
+        PREDICT_SOURCE, f"altup_predict_backward_v1<{streams}, {active_idx}>", PREDICT_BACKWARD_ARGS,
         (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
         router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
     return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
@@ -158,7 +167,7 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
     tokens = activated.numel() // hidden
     out = torch.empty_like(predictions)
     _launch(CORRECT_SOURCE, f"altup_correct_forward_v1<{streams}, {active_idx}>", predictions, tokens,
-            _row_threads(hidden),
+            _row_threads(hidden), CORRECT_FORWARD_ARGS,
             (_ptr(predictions), _ptr(activated), _ptr(correction_coefs), _ptr(router_weight), _ptr(norm_weight),
              _ptr(out), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
     return out
@@ -169,7 +178,7 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
     streams = predictions.shape[0]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
     grad_Q, grad_R, grad_w = _routed_backward(
-        CORRECT_SOURCE, f"altup_correct_backward_v1<{streams}, {active_idx}>",
+        CORRECT_SOURCE, f"altup_correct_backward_v1<{streams}, {active_idx}>", CORRECT_BACKWARD_ARGS,
         (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
         streams ** 2, router_weight, norm_weight, eps, router_scale)
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
@@ -198,6 +207,7 @@ def expand_epilogue(x0, projected, out, floor: float) -> None:
     tokens, hidden = x0.shape
     streams = out.shape[0]
     _launch(MAGNITUDE_MATCH_SOURCE, f"altup_expand_forward_v1<{streams}>", x0, tokens, _row_threads(hidden),
+            EXPAND_FORWARD_ARGS,
             (_ptr(x0), _ptr(projected), _ptr(out), numpy.int64(hidden), numpy.int64((streams - 1) * hidden),
              numpy.int64(tokens), numpy.int32(hidden), numpy.float32(floor)))
 
@@ -208,7 +218,7 @@ def magnitude_match_backward(grad, stream_stride: int, scale: float, base, proje
     hidden = base.shape[-1]
     base_type = "float" if grad_base.dtype == torch.float32 else "unsigned short"
     _launch(MAGNITUDE_MATCH_SOURCE, f"altup_magnitude_match_backward_v1<{streams}, {base_type}>", base,
-            base.numel() // hidden, _row_threads(hidden),
+            base.numel() // hidden, _row_threads(hidden), MAGNITUDE_MATCH_BACKWARD_ARGS,
             (_ptr(grad), _ptr(base), _ptr(projected), _ptr(grad_projected), _ptr(grad_base),
              numpy.int64(stream_stride), numpy.float32(scale), numpy.int64(proj_strides[0]),
              numpy.int64(proj_strides[1]), numpy.int32(hidden), numpy.float32(floor)))

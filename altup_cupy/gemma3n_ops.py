@@ -9,8 +9,9 @@
     collapse_backward(grad_output, hidden_states, projections[], floor) -> (grad_hidden_states, grad_U[])
 
 Each has a fake implementation (shapes only: torch.compile, FakeTensorMode), a CUDA implementation
-(the kernels of `gemma3n_kernels`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072, weight gradients in
-fp32) and a CPU implementation: `reference.gemma3n` in float32 (float64 for float64 inputs, so
+(the kernels of `gemma3n_kernels`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072; weight gradients
+accumulated in fp32, returned in bf16 by predict_backward and correct_backward and in fp32 by
+expand_backward and collapse_backward) and a CPU implementation: `reference.gemma3n` in float32 (float64 for float64 inputs, so
 torch.autograd.gradcheck runs on it), results in the input dtype and weight gradients in float32
 (float64). router_scale is the s of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or
 transformers' `router_input_scale` buffer in the model's dtype. `altup_cupy.torch` makes them
@@ -107,7 +108,14 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _weight_grad_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of the expansion's and collapse's weight gradients (cuBLAS GEMMs with fp32 output)."""
     return _compute_dtype(t) if t.device.type == "cpu" else torch.float32
+
+
+def _router_grad_dtype(t: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of predict's and correct's weight gradients: on CUDA the weights' own (bf16), which
+    `altup_router_grads_v1` rounds to once from its fp32 sums."""
+    return _compute_dtype(t) if t.device.type == "cpu" else weight.dtype
 
 
 # ---- predict -----------------------------------------------------------------------------------
@@ -158,24 +166,25 @@ def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor
     return (grads[0].to(hidden_states.dtype), *grads[1:])
 
 
-def _zero_grads(activations, *weights):
-    """The gradients of an empty batch: zero rows, zero weight gradients."""
+def _zero_grads(activations, *weights, dtype_of=_router_grad_dtype):
+    """The gradients of an empty batch: zero rows, zero weight gradients (dtype_of(activations, w))."""
     return (torch.zeros_like(activations),
-            *(torch.zeros(w.shape, dtype=_weight_grad_dtype(w), device=w.device) for w in weights))
+            *(torch.zeros(w.shape, dtype=dtype_of(activations, w), device=w.device) for w in weights))
 
 
 def _zero_projection_grads(activations, projections):
     """`_zero_grads` in the layout of expand_backward and collapse_backward: (rows, [matrices])."""
-    grad_activations, *grad_projections = _zero_grads(activations, *projections)
+    grad_activations, *grad_projections = _zero_grads(activations, *projections,
+                                                      dtype_of=lambda a, w: _weight_grad_dtype(a))
     return grad_activations, grad_projections
 
 
 @predict_backward.register_fake
 def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
     _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
-    f = _weight_grad_dtype(hidden_states)
-    return (torch.empty_like(hidden_states), prediction_coefs.new_empty(prediction_coefs.shape, dtype=f),
-            router_weight.new_empty(router_weight.shape, dtype=f), norm_weight.new_empty(norm_weight.shape, dtype=f))
+    return (torch.empty_like(hidden_states),
+            *(w.new_empty(w.shape, dtype=_router_grad_dtype(hidden_states, w))
+              for w in (prediction_coefs, router_weight, norm_weight)))
 
 
 # ---- correct -----------------------------------------------------------------------------------
@@ -233,10 +242,9 @@ def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, ac
 def _(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
       router_scale):
     _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
-    f = _weight_grad_dtype(predictions)
     return (torch.empty_like(predictions), torch.empty_like(activated),
-            correction_coefs.new_empty(correction_coefs.shape, dtype=f),
-            router_weight.new_empty(router_weight.shape, dtype=f), norm_weight.new_empty(norm_weight.shape, dtype=f))
+            *(w.new_empty(w.shape, dtype=_router_grad_dtype(predictions, w))
+              for w in (correction_coefs, router_weight, norm_weight)))
 
 
 # ---- expansion ---------------------------------------------------------------------------------
