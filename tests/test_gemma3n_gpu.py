@@ -314,8 +314,9 @@ def _loss_and_grads(model, ids, calls=1):
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-    return loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None}
+    # a compiled model names its parameters through the module it wraps (`_orig_mod.`)
+    return loss.detach().clone(), {n.removeprefix("_orig_mod."): p.grad.detach().clone()
+                                   for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _rel_l2(a, b):
