@@ -1,0 +1,138 @@
+"""altup_cupy.lab.gemma3n_model on the CPU: the tiny config end to end (eager, patched and not), the
+CSV it appends to, and the configs it builds for the GPU (counted on the meta device only)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from gemma3n_support import transformers_gemma3n
+
+transformers_gemma3n()
+from altup_cupy import torch as altup  # noqa: E402
+from altup_cupy.lab import gemma3n_model as bench  # noqa: E402
+
+SHA = "0123456789ab"
+
+
+@pytest.fixture(autouse=True)
+def _fixed_sha(monkeypatch):
+    monkeypatch.setenv("ALTUP_GIT_SHA", SHA)
+    yield
+    torch._dynamo.reset()
+
+
+def _rows(path):
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return tuple(reader.fieldnames), list(reader)
+
+
+def _run(out, *extra):
+    return bench.main(["--device", "cpu", "--config", "tiny", "--out", str(out), "--reps", "2", "--warmup", "1",
+                       "--no-progress", *extra])
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """How often a step reached each altup_cupy.torch function (the patched model's route)."""
+    calls = dict.fromkeys(("predict", "correct", "expand", "collapse"), 0)
+    for name in calls:
+        function = getattr(altup, name)
+
+        def counted(*args, _name=name, _function=function, **kwargs):
+            calls[_name] += 1
+            return _function(*args, **kwargs)
+
+        monkeypatch.setattr(altup, name, counted)
+    return calls
+
+
+def test_tiny_cpu_run_writes_one_row_per_case(tmp_path, op_calls):
+    out = tmp_path / "results" / "gemma3n_model.csv"
+    assert _run(out) == 0
+    columns, rows = _rows(out)
+    assert columns == bench.COLUMNS
+    assert [(r["task"], r["mode"], r["patched"]) for r in rows] == [
+        ("train", "eager", "0"), ("train", "eager", "1"), ("prefill", "eager", "0"), ("prefill", "eager", "1")]
+    for r in rows:
+        assert (r["config"], r["batch"], r["seq"], r["git_sha"]) == ("tiny", "2", "16", SHA)
+        assert r["gpu_ms"] == "" and r["peak_mib"] == ""  # no GPU: blank
+        assert float(r["wall_ms"]) > 0
+        assert r["date"].endswith("Z")
+    # Only the patched cases go through altup_cupy: (1 warm-up + 2 timed steps) x 2 tasks, 2 layers each.
+    assert op_calls == {"predict": 12, "correct": 12, "expand": 6, "collapse": 6}
+
+
+def test_rows_append_resume_and_keep_their_header(tmp_path, capsys):
+    out = tmp_path / "model.csv"
+    assert _run(out, "--tasks", "prefill", "--patched", "0") == 0
+    assert _run(out, "--tasks", "prefill", "--patched", "0,1", "--resume") == 0  # only the missing case runs
+    assert "1 cases (1 already in" in capsys.readouterr().out
+    _, rows = _rows(out)
+    assert [(r["task"], r["patched"]) for r in rows] == [("prefill", "0"), ("prefill", "1")]
+    other = tmp_path / "other.csv"
+    other.write_text("op,impl\n")
+    with pytest.raises(ValueError, match="columns"):
+        bench.append_row(other, dict.fromkeys(bench.COLUMNS, ""))
+
+
+def test_a_failed_case_writes_no_row_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    real = bench.run_case
+
+    def failing(case, **kwargs):
+        if case.patched:
+            raise torch.OutOfMemoryError("pretend")
+        return real(case, **kwargs)
+
+    monkeypatch.setattr(bench, "run_case", failing)
+    out = tmp_path / "model.csv"
+    assert _run(out, "--tasks", "train") == 1
+    _, rows = _rows(out)
+    assert [r["patched"] for r in rows] == ["0"]
+    printed = capsys.readouterr().out
+    assert "FAILED tiny train eager patched 2x16: OutOfMemoryError: pretend" in printed
+    assert "FAILED: 1" in printed
+
+
+def test_time_limit_starts_no_case_past_it(tmp_path, capsys):
+    out = tmp_path / "model.csv"
+    assert _run(out, "--time-limit-s", "0") == 0
+    assert not out.exists()
+    assert "not started (time limit 0 s): 4" in capsys.readouterr().out
+
+
+def test_regional_compilation_is_written_in_the_mode():
+    case = bench.Case("mini", "train", "compile", 1, 8, 1024)
+    assert case.key(regional=True)[2] == "compile_regional"
+    assert bench.mode_label("eager", regional=True) == "eager"  # nothing compiled, nothing to say
+
+
+def test_patched_and_unpatched_models_have_the_same_weights():
+    plain = bench.build_model("tiny", patched=False, device="cpu", seed=3)
+    patched = bench.build_model("tiny", patched=True, device="cpu", seed=3)
+    assert "predict" in patched.model.layers[0].altup.__dict__  # the instance is patched
+    a, b = plain.state_dict(), patched.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert 0.2 < plain.model.layers[0].altup.prediction_coefs.weight.std() < 0.4  # redrawn, std 0.3
+
+
+def test_gpu_configs_have_the_published_sizes():
+    e2b = bench.text_config("e2b")
+    assert (e2b.num_hidden_layers, e2b.hidden_size, e2b.vocab_size, e2b.vocab_size_per_layer_input) == (
+        30, 2048, 262400, 262144)
+    assert e2b.intermediate_size == [8192] * 30 and e2b.num_kv_shared_layers == 10
+    assert e2b.layer_types[:5] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert e2b.layer_types.count("full_attention") == 6
+    assert e2b.activation_sparsity_pattern == [0.95] * 10 + [0.0] * 20
+    assert (e2b.num_attention_heads, e2b.num_key_value_heads, e2b.head_dim, e2b.laurel_rank,
+            e2b.hidden_size_per_layer_input, e2b.altup_num_inputs, e2b.sliding_window) == (8, 2, 256, 64, 256, 4, 512)
+    mini = bench.text_config("mini")
+    assert (mini.num_hidden_layers, mini.hidden_size, mini.vocab_size, mini.altup_num_inputs) == (4, 2048, 32768, 4)
+    assert mini.activation_sparsity_pattern == [0.95, 0.95, 0.0, 0.0]
+    # E2B's text model: 4.44 B parameters here (the published checkpoint also stores the KV
+    # projections of its 10 KV-sharing layers, which transformers drops on loading).
+    assert 4.40e9 < bench.parameter_count("e2b") < 4.46e9
