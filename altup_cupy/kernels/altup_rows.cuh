@@ -148,3 +148,50 @@ __device__ __forceinline__ void load_small_matrix(const unsigned short* src, flo
     }
     __syncthreads();
 }
+
+// The backwards' weight-gradient sums S [N, H] (S_nd = sum_t r gz_n x_d, x the routed row) live
+// in N * H floats of dynamic shared memory: in registers they would spill at N = 4. Each thread
+// touches only its own slice, so no barrier guards them.
+template <int N>
+__device__ __forceinline__ void clear_weight_sums(float* S, const RowSlice& slice, const int hidden) {
+    if (!slice.active) return;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) S[n * hidden + slice.d0 + e] = 0.0f;
+    }
+}
+
+// One token's share of S: S_n += r gz_n x.
+template <int N>
+__device__ __forceinline__ void accumulate_weight_sums(float* S, const RowSlice& slice, const int hidden,
+                                                       const float r, const float (&gz)[N],
+                                                       const float (&x)[kVec]) {
+    if (!slice.active) return;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const float scale = r * gz[n];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            float& s = S[n * hidden + slice.d0 + e];
+            s = fmaf(scale, x[e], s);
+        }
+    }
+}
+
+// This block's partial row: S, then the COEFS coefficient-gradient entries (thread e < COEFS
+// holds entry e).
+template <int N, int COEFS>
+__device__ __forceinline__ void store_weight_partials(const float* S, const float coef_grad, const RowSlice& slice,
+                                                      float* partials, const long long partial_stride,
+                                                      const int hidden) {
+    float* partial = partials + blockIdx.x * partial_stride;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        float row[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) row[e] = slice.active ? S[n * hidden + slice.d0 + e] : 0.0f;
+        slice.store(partial + static_cast<long long>(n) * hidden, row);
+    }
+    if (threadIdx.x < COEFS) partial[static_cast<long long>(N) * hidden + threadIdx.x] = coef_grad;
+}
