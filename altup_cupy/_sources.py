@@ -167,13 +167,9 @@ def _per_active(kernel: str) -> tuple[str, ...]:
 ALTUP_PREDICT_V1 = KernelSource(
     "altup_predict_v1.cu", _per_active("altup_predict_forward_v1") + _per_active("altup_predict_backward_v1"),
     min_arch=80, defines=_ROWS)
-ALTUP_PREDICT_BACKWARD_V2 = KernelSource(
-    "altup_predict_backward_v2.cu", _per_active("altup_predict_backward_v2"), min_arch=80, defines=_ROWS)
 ALTUP_CORRECT_V1 = KernelSource(
     "altup_correct_v1.cu", _per_active("altup_correct_forward_v1") + _per_active("altup_correct_backward_v1"),
     min_arch=80, defines=_ROWS)
-ALTUP_CORRECT_BACKWARD_V2 = KernelSource(
-    "altup_correct_backward_v2.cu", _per_active("altup_correct_backward_v2"), min_arch=80, defines=_ROWS)
 ALTUP_MAGNITUDE_MATCH_V1 = KernelSource(
     "altup_magnitude_match_v1.cu",
     tuple(f"altup_expand_forward_v1<{n}>" for n in SUPPORTED_STREAMS)
@@ -195,7 +191,5 @@ ALL_SOURCES = (
     ALTUP_PREDICT_V1,
     ALTUP_CORRECT_V1,
     ALTUP_MAGNITUDE_MATCH_V1,
-    ALTUP_PREDICT_BACKWARD_V2,
-    ALTUP_CORRECT_BACKWARD_V2,
     ALTUP_ROUTER_GRADS_V1,
 )

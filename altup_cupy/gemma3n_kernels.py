@@ -11,8 +11,7 @@ in bf16: every result is bitwise deterministic.
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy
 import torch
@@ -30,45 +29,6 @@ PREDICT_SOURCE = _sources.ALTUP_PREDICT_V1
 CORRECT_SOURCE = _sources.ALTUP_CORRECT_V1
 MAGNITUDE_MATCH_SOURCE = _sources.ALTUP_MAGNITUDE_MATCH_V1
 ROUTER_GRADS_SOURCE = _sources.ALTUP_ROUTER_GRADS_V1
-
-
-class RoutedBackward(NamedTuple):
-    """One version of the predict or correct backward kernel."""
-    source: KernelSource
-    kernel: str  # the template's name; instantiated as <N, active index>
-    staged_rows: Callable[[int], int]  # N -> rows of one token the version stages in shared memory
-
-    def shared_mem(self, streams: int, hidden: int) -> int:
-        """Dynamic shared memory in bytes: the weight-gradient sums S (N H fp32), then two stages of
-        the token's bf16 rows."""
-        return 4 * streams * hidden + 2 * 2 * self.staged_rows(streams) * hidden
-
-
-# Versions of the two routed backwards; the newest whose shared memory fits the device runs
-# (`routed_backward_version`). v2 stages the next token's rows with cp.async: 2N for the predict
-# (h and g), N + 2 for the correct (g, x and the active prediction).
-ROUTED_BACKWARD_VERSIONS = {
-    "predict": {
-        1: RoutedBackward(PREDICT_SOURCE, "altup_predict_backward_v1", lambda streams: 0),
-        2: RoutedBackward(_sources.ALTUP_PREDICT_BACKWARD_V2, "altup_predict_backward_v2", lambda streams: 2 * streams),
-    },
-    "correct": {
-        1: RoutedBackward(CORRECT_SOURCE, "altup_correct_backward_v1", lambda streams: 0),
-        2: RoutedBackward(_sources.ALTUP_CORRECT_BACKWARD_V2, "altup_correct_backward_v2", lambda streams: streams + 2),
-    },
-}
-# The kernels' static shared memory (the block-sum scratch and the coefficients) is at most
-# 32 * (1 + N + N^2) + N^3 floats: 2944 bytes at N = 4.
-_STATIC_SHARED_MAX = 4 * (32 * 21 + 64)
-
-
-@functools.lru_cache(maxsize=None)
-def routed_backward_version(op: str, device: int, streams: int, hidden: int) -> int:
-    """The newest version of ROUTED_BACKWARD_VERSIONS[op] whose shared memory fits one block on
-    `device` (v1 always does: H <= 3072)."""
-    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - _STATIC_SHARED_MAX
-    return max(version for version, kernel in ROUTED_BACKWARD_VERSIONS[op].items()
-               if version == 1 or kernel.shared_mem(streams, hidden) <= limit)
 
 
 class PredictGradients(NamedTuple):
@@ -169,11 +129,11 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     return out
 
 
-def _routed_backward(kernel: RoutedBackward, active_idx: int, arg_types: tuple[str, ...],
-                     tensors: Sequence[torch.Tensor], coef_columns: int, router_weight: torch.Tensor,
-                     norm_weight: torch.Tensor, eps: float,
-                     router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches a version of the predict or correct backward and sums its per-block partials.
+def _routed_backward(source: KernelSource, name: str, arg_types: tuple[str, ...], tensors: Sequence[torch.Tensor],
+                     coef_columns: int,
+                     router_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_scale: float,
+                     shared_mem: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launches the predict or correct backward kernel `name` and sums its per-block partials.
 
     tensors: the kernel's pointer arguments before the partials, the first one [N, B, S, H]. A block's
     partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
@@ -183,24 +143,21 @@ def _routed_backward(kernel: RoutedBackward, active_idx: int, arg_types: tuple[s
     tokens = like[0].numel() // hidden
     blocks = _backward_blocks(like, tokens)
     partials, stride = _partials(like, blocks, streams * hidden + coef_columns)
-    _launch(kernel.source, f"{kernel.kernel}<{streams}, {active_idx}>", like, blocks, _row_threads(hidden), arg_types,
+    _launch(source, name, like, blocks, _row_threads(hidden), arg_types,
             (*map(_ptr, tensors), _ptr(partials), numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden),
              numpy.float32(eps), numpy.float32(router_scale)),
-            shared_mem=kernel.shared_mem(streams, hidden))
+            shared_mem=shared_mem)
     return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
 
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float, router_scale: float, version: int | None = None) -> PredictGradients:
-    """version: a key of ROUTED_BACKWARD_VERSIONS["predict"] (default: `routed_backward_version`'s pick)."""
+                     active_idx: int, eps: float, router_scale: float) -> PredictGradients:
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
-    if version is None:
-        version = routed_backward_version("predict", hidden_states.device.index, streams, hidden)
     grad_h = torch.empty_like(hidden_states)
     grad_P, grad_R, grad_w = _routed_backward(
-        ROUTED_BACKWARD_VERSIONS["predict"][version], active_idx, PREDICT_BACKWARD_ARGS,
+        PREDICT_SOURCE, f"altup_predict_backward_v1<{streams}, {active_idx}>", PREDICT_BACKWARD_ARGS,
         (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
-        router_weight, norm_weight, eps, router_scale)
+        router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
     return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
 
 
@@ -217,14 +174,11 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
 
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float, router_scale: float, version: int | None = None) -> CorrectGradients:
-    """version: a key of ROUTED_BACKWARD_VERSIONS["correct"] (default: `routed_backward_version`'s pick)."""
-    streams, hidden = predictions.shape[0], predictions.shape[-1]
-    if version is None:
-        version = routed_backward_version("correct", predictions.device.index, streams, hidden)
+                     active_idx: int, eps: float, router_scale: float) -> CorrectGradients:
+    streams = predictions.shape[0]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
     grad_Q, grad_R, grad_w = _routed_backward(
-        ROUTED_BACKWARD_VERSIONS["correct"][version], active_idx, CORRECT_BACKWARD_ARGS,
+        CORRECT_SOURCE, f"altup_correct_backward_v1<{streams}, {active_idx}>", CORRECT_BACKWARD_ARGS,
         (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
         streams ** 2, router_weight, norm_weight, eps, router_scale)
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)

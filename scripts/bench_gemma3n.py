@@ -21,8 +21,8 @@ harness of altup_cupy.bench, the GPU's sleep before each call outlasting the cal
 wall time: host clock from issue to completion (synchronised), median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
 the test log next to them as gemma3n_gpu_tests.log.
 
-Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward,
-every version of the backwards; the expansion's epilogue and the magnitude-match backward) alone at M = 4096 and 8192 tokens, GPU
+Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward;
+the expansion's epilogue and the magnitude-match backward) alone at M = 4096 and 8192 tokens, GPU
 time against a plain device copy of the bytes it must move (`vs_copy_floor`), in
 gemma3n_kernels.csv next to the training-step CSV.
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import os
 import statistics
 import subprocess
@@ -214,12 +213,9 @@ def _kernel_cases(tokens: int):
         ("predict_forward", lambda: kernels.predict_forward(streams, P, R, w, active, eps, scale), 2 * n * row),
         ("correct_forward", lambda: kernels.correct_forward(streams, activated, Q, R, w, active, eps, scale),
          (2 * n + 1) * row),
-        *((f"predict_backward_v{v}", functools.partial(kernels.predict_backward, grad, streams, P, R, w, active, eps,
-                                                       scale, version=v), 3 * n * row)
-          for v in kernels.ROUTED_BACKWARD_VERSIONS["predict"]),
-        *((f"correct_backward_v{v}", functools.partial(kernels.correct_backward, grad, streams, activated, Q, R, w,
-                                                       active, eps, scale, version=v), (3 * n + 2) * row)
-          for v in kernels.ROUTED_BACKWARD_VERSIONS["correct"]),
+        ("predict_backward", lambda: kernels.predict_backward(grad, streams, P, R, w, active, eps, scale), 3 * n * row),
+        ("correct_backward", lambda: kernels.correct_backward(grad, streams, activated, Q, R, w, active, eps, scale),
+         (3 * n + 2) * row),
         ("expand_epilogue", lambda: kernels.expand_epilogue(x0, projected, expanded, floor),
          (1 + 2 * (n - 1) + n) * row),
         ("magnitude_match_backward", lambda: kernels.magnitude_match_backward(

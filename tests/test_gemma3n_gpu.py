@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error:altup_cupy.gemm
 
 modeling = transformers_gemma3n()
 import altup_cupy.gemma3n as gemma3n  # noqa: E402
-from altup_cupy import gemma3n_kernels as kernels  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
 from altup_cupy.reference import gemma3n as ref  # noqa: E402
 from altup_cupy.workloads import tolerance_report  # noqa: E402
@@ -145,31 +144,6 @@ def test_backwards_are_bitwise_deterministic(seeds):
     for first, again in ((runs[0], runs[1]), (runs[0], runs[2]), (runs[3], runs[4]), (runs[3], runs[5])):
         for name in first:
             assert torch.equal(first[name], again[name]), name
-
-
-@pytest.mark.parametrize("streams,hidden", [(2, 64), (3, 2560), (4, 2048)])
-@pytest.mark.parametrize("op", ("predict", "correct"))
-def test_routed_backward_versions_agree_bitwise(seeds, op, streams, hidden):
-    """Every version of the predict and correct backward does v1's arithmetic in v1's order (the
-    versions differ in how the rows reach the block), so all agree bit for bit; the default
-    version is checked against float64 above."""
-    gen = torch.Generator("cuda").manual_seed(seeds())
-    tokens = 1031  # ragged, and more tokens than backward blocks
-    grad, rows = _randn(gen, streams, 1, tokens, hidden), _randn(gen, streams, 1, tokens, hidden)
-    R, w = _randn(gen, streams, hidden, scale=hidden ** -0.5), 1.0 + _randn(gen, hidden, scale=0.1)
-    if op == "predict":
-        coefs = _randn(gen, streams ** 2, streams, scale=streams ** -0.5)
-        run = lambda version, active: kernels.predict_backward(  # noqa: E731
-            grad, rows, coefs, R, w, active, 1e-6, 1.0 / hidden, version=version)
-    else:
-        coefs, activated = _randn(gen, streams, streams, scale=streams ** -0.5), _randn(gen, 1, tokens, hidden)
-        run = lambda version, active: kernels.correct_backward(  # noqa: E731
-            grad, rows, activated, coefs, R, w, active, 1e-6, 1.0 / hidden, version=version)
-    for active in range(streams):
-        first = run(1, active)
-        for version in kernels.ROUTED_BACKWARD_VERSIONS[op]:
-            for name, ours, v1 in zip(first._fields, run(version, active), first):
-                assert torch.equal(ours, v1), f"{op} backward v{version}, active {active}: {name}"
 
 
 def _chain_leaves(seed):

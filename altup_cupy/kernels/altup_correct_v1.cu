@@ -55,120 +55,89 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
     }
 }
 
-// The backward kernels' arguments (v1 and the versions after it take the same).
-#define CORRECT_BACKWARD_PARAMS                                                                     \
-    const unsigned short* __restrict__ grad_corrected,    /* [N, M, H] bf16 */                    \
-    const unsigned short* __restrict__ predictions,       /* [N, M, H] bf16 (row A read) */       \
-    const unsigned short* __restrict__ activated,         /* [M, H] bf16 */                       \
-    const unsigned short* __restrict__ correction_coefs,  /* [N, N] bf16 */                       \
-    const unsigned short* __restrict__ router_weight,     /* [N, H] bf16 */                       \
-    const unsigned short* __restrict__ norm_weight,       /* [H] bf16 */                          \
-    unsigned short* __restrict__ grad_predictions,        /* [N, M, H] bf16 */                    \
-    unsigned short* __restrict__ grad_activated,          /* [M, H] bf16 */                       \
-    float* __restrict__ partials,                         /* [gridDim.x, partial_stride] fp32 */  \
-    const long long partial_stride, const long long tokens, const int hidden, const float eps,   \
-    const float router_scale
-
-// Where v1 reads a token's rows: global memory (g_0..g_{N-1}, x, pred_a).
-struct GlobalCorrectRows {
-    const RowSlice& slice;
-    const unsigned short* grad;       // g_0 of this token
-    const unsigned short* activated;  // x of this token
-    const unsigned short* active;     // pred_a of this token
-    long long plane;                  // M * H: from one stream's row to the next
-    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { slice.load(grad + i * plane, out); }
-    __device__ __forceinline__ void x(float (&out)[kVec]) const { slice.load(activated, out); }
-    __device__ __forceinline__ void pred_a(float (&out)[kVec]) const { slice.load(active, out); }
-};
-
-// The block's state across its tokens: the coefficients Q (shared), the weight-gradient sums S
-// (shared: altup_rows.cuh) and this thread's entry of dQ.
-template <int N>
-struct CorrectBackwardState {
-    const float* Q;
-    float* scratch;
-    float* S;
-    float dQ;  // thread e < N^2 owns dQ entry e = N*i + l
-};
-
-// One token of the correct backward: grad_pred and grad_x for its rows, and its share of S and dQ.
-template <int N, int A, typename Rows>
-__device__ __forceinline__ void correct_backward_token(const Rows& rows, const RowSlice& slice,
-                                                       const RouterSlice<N>& router, CorrectBackwardState<N>& state,
-                                                       unsigned short* grad_pred_out, unsigned short* grad_x_out,
-                                                       const long long plane, const int hidden, const float eps,
-                                                       const float router_scale) {
-    constexpr int kSums = 1 + 3 * N;
-    const float* Q = state.Q;
-    float g[N][kVec], x[kVec], pred_a[kVec];
-#pragma unroll
-    for (int i = 0; i < N; ++i) rows.g(i, g[i]);
-    rows.x(x);
-    rows.pred_a(pred_a);
-    float sums[kSums];
-    sums[0] = dot8(x, x);
-    router.project(x, sums + 1);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        sums[1 + N + i] = dot8(g[i], x);
-        sums[1 + 2 * N + i] = dot8(g[i], pred_a);
-    }
-    block_sum(sums, state.scratch);
-    const float* Ac = sums + 1;
-    const RouterScalars<N> route(sums[0], Ac, hidden, eps, router_scale);
-
-    float gk[N], gm[N], k[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) gk[i] = sums[1 + N + i] - sums[1 + 2 * N + i];
-    matrix_vector<N, N>(Q, route.m, 1.0f, k);
-    transposed_matrix_vector<N, N>(Q, gk, gm);
-    float gz[N], alpha[N];
-    const float beta = route.backward(gm, Ac, router_scale, gz, alpha);
-#pragma unroll
-    for (int i = 0; i < N * N; ++i) {
-        if (threadIdx.x == i) state.dQ = fmaf(gk[i / N], route.m[i % N], state.dQ);
-    }
-
-    float gd[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        if (i == A) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) g[i][e] -= gd[e];
-        }
-        slice.store(grad_pred_out + i * plane, g[i]);
-    }
-    float gx[kVec];
-    router.input_grad(alpha, beta, x, gx);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) gx[e] += gd[e];
-    slice.store(grad_x_out, gx);
-    accumulate_weight_sums<N>(state.S, slice, hidden, route.r, gz, x);
-}
-
 template <int N, int A>
-__global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(CORRECT_BACKWARD_PARAMS) {
-    __shared__ float scratch[32 * (1 + 3 * N)];
+__global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
+    const unsigned short* __restrict__ grad_corrected,    // [N, M, H] bf16
+    const unsigned short* __restrict__ predictions,       // [N, M, H] bf16 (row A read)
+    const unsigned short* __restrict__ activated,         // [M, H] bf16
+    const unsigned short* __restrict__ correction_coefs,  // [N, N] bf16
+    const unsigned short* __restrict__ router_weight,     // [N, H] bf16
+    const unsigned short* __restrict__ norm_weight,       // [H] bf16
+    unsigned short* __restrict__ grad_predictions,        // [N, M, H] bf16
+    unsigned short* __restrict__ grad_activated,          // [M, H] bf16
+    float* __restrict__ partials,                         // [gridDim.x, partial_stride] fp32
+    const long long partial_stride, const long long tokens, const int hidden, const float eps,
+    const float router_scale) {
+    constexpr int kSums = 1 + 3 * N;
+    __shared__ float scratch[32 * kSums];
     __shared__ float Q[N * N];
     load_small_matrix(correction_coefs, Q, N * N);
     const RowSlice slice(hidden);
     const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
     const long long plane = tokens * hidden;
-    extern __shared__ float S[];
-    clear_weight_sums<N>(S, slice, hidden);
-    CorrectBackwardState<N> state{Q, scratch, S, 0.0f};
+
+    float S[N][kVec] = {};
+    float dQ = 0.0f;  // thread e < N^2 owns dQ entry e = N*i + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const GlobalCorrectRows rows{slice, grad_corrected + t * hidden, activated + t * hidden,
-                                     predictions + A * plane + t * hidden, plane};
-        correct_backward_token<N, A>(rows, slice, router, state, grad_predictions + t * hidden,
-                                     grad_activated + t * hidden, plane, hidden, eps, router_scale);
+        float g[N][kVec], x[kVec], pred_a[kVec];
+#pragma unroll
+        for (int i = 0; i < N; ++i) slice.load(grad_corrected + i * plane + t * hidden, g[i]);
+        slice.load(activated + t * hidden, x);
+        slice.load(predictions + A * plane + t * hidden, pred_a);
+        float sums[kSums];
+        sums[0] = dot8(x, x);
+        router.project(x, sums + 1);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            sums[1 + N + i] = dot8(g[i], x);
+            sums[1 + 2 * N + i] = dot8(g[i], pred_a);
+        }
+        block_sum(sums, scratch);
+        const float* Ac = sums + 1;
+        const RouterScalars<N> route(sums[0], Ac, hidden, eps, router_scale);
+
+        float gk[N], gm[N], k[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) gk[i] = sums[1 + N + i] - sums[1 + 2 * N + i];
+        matrix_vector<N, N>(Q, route.m, 1.0f, k);
+        transposed_matrix_vector<N, N>(Q, gk, gm);
+        float gz[N], alpha[N];
+        const float beta = route.backward(gm, Ac, router_scale, gz, alpha);
+#pragma unroll
+        for (int i = 0; i < N * N; ++i) {
+            if (threadIdx.x == i) dQ = fmaf(gk[i / N], route.m[i % N], dQ);
+        }
+
+        float gd[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (i == A) {
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) g[i][e] -= gd[e];
+            }
+            slice.store(grad_predictions + i * plane + t * hidden, g[i]);
+        }
+        float gx[kVec];
+        router.input_grad(alpha, beta, x, gx);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gx[e] += gd[e];
+        slice.store(grad_activated + t * hidden, gx);
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            const float scale = route.r * gz[n];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) S[n][e] = fmaf(scale, x[e], S[n][e]);
+        }
     }
-    store_weight_partials<N, N * N>(state.S, state.dQ, slice, partials, partial_stride, hidden);
+    float* partial = partials + blockIdx.x * partial_stride;
+#pragma unroll
+    for (int n = 0; n < N; ++n) slice.store(partial + static_cast<long long>(n) * hidden, S[n]);
+    if (threadIdx.x < N * N) partial[static_cast<long long>(N) * hidden + threadIdx.x] = dQ;
 }

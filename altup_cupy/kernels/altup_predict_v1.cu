@@ -9,6 +9,7 @@
 // dot product the step needs (<h_a, h_a>, A_n = sum_d R_nd w_d h_a,d, G_ij = <g_i, h_j>):
 //   dC = G;  gm_p = P^T dC;  grad_h_j = g_j + sum_i C_ij g_i + [j == a] route_backward(h_a, gm_p)
 //   partial layout per block: S [N, H] (S_nd = sum_t r gz_n h_a,d) | dP [N*N*N] (sum_t G_ij m_l)
+//   (S accumulates in N * H floats of dynamic shared memory)
 // and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
 // active index A is a template argument so that every row array is indexed by constants
 // (registers, no local memory).
@@ -65,103 +66,17 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
 #define PREDICT_BACKWARD_BOUNDS __launch_bounds__(kRowThreadsMax)
 #endif
 
-// The backward kernels' arguments (v1 and the versions after it take the same).
-#define PREDICT_BACKWARD_PARAMS                                                                     \
-    const unsigned short* __restrict__ grad_predictions, /* [N, M, H] bf16 */                     \
-    const unsigned short* __restrict__ hidden_states,    /* [N, M, H] bf16 */                     \
-    const unsigned short* __restrict__ prediction_coefs, /* [N*N, N] bf16 */                      \
-    const unsigned short* __restrict__ router_weight,    /* [N, H] bf16 */                        \
-    const unsigned short* __restrict__ norm_weight,      /* [H] bf16 */                           \
-    unsigned short* __restrict__ grad_hidden_states,     /* [N, M, H] bf16 */                     \
-    float* __restrict__ partials,                        /* [gridDim.x, partial_stride] fp32 */   \
-    const long long partial_stride, const long long tokens, const int hidden, const float eps,   \
-    const float router_scale
-
-// Where v1 reads a token's rows: global memory. The N rows of h stay in registers; the rows of g
-// pass through one at a time, once for the dot products and then once per output row after the
-// block reduction, read through L1 (`load_reused`) so the later passes hit there.
-struct GlobalTokenRows {
-    const RowSlice& slice;
-    const unsigned short* grad;    // g_0 of this token
-    const unsigned short* hidden;  // h_0 of this token
-    long long plane;               // M * H: from one stream's row to the next
-    __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { slice.load(hidden + j * plane, out); }
-    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const {
-        slice.load_reused(grad + i * plane, out);
-    }
-};
-
-// The block's state across its tokens: the coefficients P (shared), the weight-gradient sums S
-// (shared: altup_rows.cuh) and this thread's entry of dP.
-template <int N>
-struct PredictBackwardState {
-    const float* P;
-    float* scratch;
-    float* S;
-    float dP;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
-};
-
-// One token of the predict backward: grad_h for its N rows, and its share of S and dP.
-template <int N, int A, typename Rows>
-__device__ __forceinline__ void predict_backward_token(const Rows& rows, const RowSlice& slice,
-                                                       const RouterSlice<N>& router, PredictBackwardState<N>& state,
-                                                       unsigned short* grad_out, const long long plane,
-                                                       const int hidden, const float eps, const float router_scale) {
-    constexpr int kSums = 1 + N + N * N;
-    const float* P = state.P;
-    float h[N][kVec];
-#pragma unroll
-    for (int j = 0; j < N; ++j) rows.h(j, h[j]);
-    float sums[kSums];
-    sums[0] = dot8(h[A], h[A]);
-    router.project(h[A], sums + 1);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        float g[kVec];
-        rows.g(i, g);
-#pragma unroll
-        for (int j = 0; j < N; ++j) sums[1 + N + N * i + j] = dot8(g, h[j]);
-    }
-    block_sum(sums, state.scratch);
-    const float* Ap = sums + 1;
-    const float* G = sums + 1 + N;
-    const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);
-
-    float gm[N];
-    transposed_matrix_vector<N * N, N>(P, G, gm);
-    float gz[N], alpha[N];
-    const float beta = route.backward(gm, Ap, router_scale, gz, alpha);
-    // constant indices only (a register array indexed by threadIdx would go to local memory)
-#pragma unroll
-    for (int e = 0; e < N * N * N; ++e) {
-        if (threadIdx.x == e) state.dP = fmaf(G[e / N], route.m[e % N], state.dP);
-    }
-
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-        float out[kVec];
-        if (j == A) {
-            router.input_grad(alpha, beta, h[j], out);
-        } else {
-            RowSlice::zeros(out);
-        }
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            float g[kVec];
-            rows.g(i, g);
-            float c = (i == j) ? 1.0f : 0.0f;
-#pragma unroll
-            for (int l = 0; l < N; ++l) c = fmaf(P[(N * i + j) * N + l], route.m[l], c);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out[e] = fmaf(c, g[e], out[e]);
-        }
-        slice.store(grad_out + j * plane, out);
-    }
-    accumulate_weight_sums<N>(state.S, slice, hidden, route.r, gz, h[A]);
-}
-
 template <int N, int A>
-__global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(PREDICT_BACKWARD_PARAMS) {
+__global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(
+    const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
+    const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
+    const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
+    const unsigned short* __restrict__ router_weight,     // [N, H] bf16
+    const unsigned short* __restrict__ norm_weight,       // [H] bf16
+    unsigned short* __restrict__ grad_hidden_states,      // [N, M, H] bf16
+    float* __restrict__ partials,                         // [gridDim.x, partial_stride] fp32
+    const long long partial_stride, const long long tokens, const int hidden, const float eps,
+    const float router_scale) {
     constexpr int kSums = 1 + N + N * N;
     __shared__ float scratch[32 * kSums];
     __shared__ float P[N * N * N];
@@ -169,13 +84,90 @@ __global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(PREDICT_BACKWA
     const RowSlice slice(hidden);
     const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
     const long long plane = tokens * hidden;
+
+    // S lives in shared memory (dynamic, N * H floats): in registers it would spill at N = 4.
+    // Each thread touches only its own slice, so no barrier guards it.
     extern __shared__ float S[];
-    clear_weight_sums<N>(S, slice, hidden);
-    PredictBackwardState<N> state{P, scratch, S, 0.0f};
-    for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const GlobalTokenRows rows{slice, grad_predictions + t * hidden, hidden_states + t * hidden, plane};
-        predict_backward_token<N, A>(rows, slice, router, state, grad_hidden_states + t * hidden, plane, hidden, eps,
-                                     router_scale);
+    if (slice.active) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) S[n * hidden + slice.d0 + e] = 0.0f;
+        }
     }
-    store_weight_partials<N, N * N * N>(state.S, state.dP, slice, partials, partial_stride, hidden);
+    float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
+    for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
+        // Registers bound the blocks per SM, so a thread never holds all 2N rows: the N rows of h
+        // stay, the rows of g pass through one at a time: once for the dot products, then once per
+        // output row after the block reduction. The first pass reads g through L1 (`load_reused`),
+        // so the later ones hit there instead of going back to memory.
+        float h[N][kVec];
+#pragma unroll
+        for (int j = 0; j < N; ++j) slice.load(hidden_states + j * plane + t * hidden, h[j]);
+        float sums[kSums];
+        sums[0] = dot8(h[A], h[A]);
+        router.project(h[A], sums + 1);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            float g[kVec];
+            slice.load_reused(grad_predictions + i * plane + t * hidden, g);
+#pragma unroll
+            for (int j = 0; j < N; ++j) sums[1 + N + N * i + j] = dot8(g, h[j]);
+        }
+        block_sum(sums, scratch);
+        const float* Ap = sums + 1;
+        const float* G = sums + 1 + N;
+        const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);
+
+        float gm[N];
+        transposed_matrix_vector<N * N, N>(P, G, gm);
+        float gz[N], alpha[N];
+        const float beta = route.backward(gm, Ap, router_scale, gz, alpha);
+        // constant indices only (a register array indexed by threadIdx would go to local memory)
+#pragma unroll
+        for (int e = 0; e < N * N * N; ++e) {
+            if (threadIdx.x == e) dP = fmaf(G[e / N], route.m[e % N], dP);
+        }
+
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            float out[kVec];
+            if (j == A) {
+                router.input_grad(alpha, beta, h[j], out);
+            } else {
+                RowSlice::zeros(out);
+            }
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                float g[kVec];
+                slice.load_reused(grad_predictions + i * plane + t * hidden, g);
+                float c = (i == j) ? 1.0f : 0.0f;
+#pragma unroll
+                for (int l = 0; l < N; ++l) c = fmaf(P[(N * i + j) * N + l], route.m[l], c);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) out[e] = fmaf(c, g[e], out[e]);
+            }
+            slice.store(grad_hidden_states + j * plane + t * hidden, out);
+        }
+        if (slice.active) {
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                const float scale = route.r * gz[n];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    float& s = S[n * hidden + slice.d0 + e];
+                    s = fmaf(scale, h[A][e], s);
+                }
+            }
+        }
+    }
+    float* partial = partials + blockIdx.x * partial_stride;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        float row[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) row[e] = slice.active ? S[n * hidden + slice.d0 + e] : 0.0f;
+        slice.store(partial + static_cast<long long>(n) * hidden, row);
+    }
+    if (threadIdx.x < N * N * N) partial[static_cast<long long>(N) * hidden + threadIdx.x] = dP;
 }
