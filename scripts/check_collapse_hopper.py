@@ -12,9 +12,9 @@ Needs a Hopper GPU (compute capability 9.0), torch with CUDA, CuPy and cuda-bind
    GEMM with fp32 output (torch.mm(..., out_dtype=torch.float32)) on the same inputs; two runs
    must agree bitwise; the inputs must be left unchanged.
 3. The full op (collapse_v2, v3, v4) on the 16 benchmark workloads, Gemma 3n's shapes and
-   odd shapes: the benchmark rule and the 2x-fp32 oracle (altup_cupy.check), allocator poisoned with NaN,
+   odd shapes: the benchmark rule and the 2x-fp32 oracle (altup_cupy.lab.check), allocator poisoned with NaN,
    bitwise determinism over two runs.
-4. Times, L2 flushed, CUDA events, median (altup_cupy.bench.time_us): v2's GEMM against
+4. Times, L2 flushed, CUDA events, median (altup_cupy.lab.bench.time_us): v2's GEMM against
    torch.mm(x, w.T, out_dtype=torch.float32) per stream, and collapse_v2/v3/v4 against
    altup_cupy.collapse. v4 is checked and timed last (after the CSV of the rest is written), and a
    version whose checks fail is not timed.
@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 from altup_cupy import collapse as collapse_current
-from altup_cupy.bench import run_info, sol_us, time_us, write_csv
-from altup_cupy.benchmarks.collapse import COLLAPSE
-from altup_cupy.check import ORACLE_FACTOR, ORACLE_FLOOR
+from altup_cupy.lab.bench import run_info, sol_us, time_us, write_csv
+from altup_cupy.lab.benchmarks.collapse import COLLAPSE
+from altup_cupy.lab.check import ORACLE_FACTOR, ORACLE_FLOOR
 from altup_cupy.ops import collapse_hopper
 from altup_cupy.reference import collapse_reference
-from altup_cupy.workloads import (Workload, benchmark_workloads, collapse_inputs, gemma3n_workloads,
+from altup_cupy.lab.workloads import (Workload, benchmark_workloads, collapse_inputs, gemma3n_workloads,
                                   tolerance_report)
 
 GEMM_STREAMS = (2, 3, 4)

@@ -13,10 +13,10 @@ import argparse
 
 import torch
 
-from altup_cupy.benchmarks.predict_correct_backward import ARG_NAMES
+from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES
 from altup_cupy import predict_correct_backward
 from altup_cupy.ops.predict_correct_backward_versions import v4_plan_override
-from altup_cupy.workloads import predict_correct_backward_inputs, workloads
+from altup_cupy.lab.workloads import predict_correct_backward_inputs, workloads
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ import sys
 
 import torch
 
-from altup_cupy.bench import run_info, time_us
-from altup_cupy.benchmarks.predict_correct_backward import PREDICT_CORRECT_BACKWARD as BENCH, ARG_NAMES
+from altup_cupy.lab.bench import run_info, time_us
+from altup_cupy.lab.benchmarks.predict_correct_backward import PREDICT_CORRECT_BACKWARD as BENCH, ARG_NAMES
 from altup_cupy import predict_correct_backward
 from altup_cupy.ops.predict_correct_backward_versions import v4_launch_plan, v4_plan_override, v4_stage_choices
-from altup_cupy.workloads import tolerance_report, workloads
+from altup_cupy.lab.workloads import tolerance_report, workloads
 
 TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite
 

@@ -12,10 +12,10 @@ import torch
 
 from altup_cupy import _cublas, _sources, collapse
 from altup_cupy._launch import PackedLaunch
-from altup_cupy.check import oracle_bound
+from altup_cupy.lab.check import oracle_bound
 from altup_cupy.ops import collapse_versions
 from altup_cupy.reference import collapse_reference
-from altup_cupy.workloads import benchmark_workloads, collapse_inputs, tolerance_report
+from altup_cupy.lab.workloads import benchmark_workloads, collapse_inputs, tolerance_report
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ def _exact_fp32_matmul():
 
 
 def _inputs(n, b, s, h, seed, eps=EPS):
-    from altup_cupy.workloads import Workload
+    from altup_cupy.lab.workloads import Workload
 
     return collapse_inputs(Workload("collapse", n, h, b, s, ATOL, RTOL, eps), seed)
 

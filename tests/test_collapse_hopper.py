@@ -19,7 +19,7 @@ import torch
 
 from altup_cupy._build import KERNELS_DIR, compile_offline
 from altup_cupy.ops import collapse_hopper as ch
-from altup_cupy.workloads import benchmark_workloads, gemma3n_workloads
+from altup_cupy.lab.workloads import benchmark_workloads, gemma3n_workloads
 
 KERNEL_TEXT = (KERNELS_DIR / ch.SOURCE.filename).read_text()
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_collapse_hopper.py"
@@ -316,7 +316,7 @@ def test_gemm_checker_passes_exact_and_fails_planted_errors(monkeypatch, stats, 
 @pytest.mark.parametrize("error", [None, "unscaled", "nan"])
 def test_collapse_checker_passes_reference_and_fails_planted_errors(monkeypatch, error, seeds):
     from altup_cupy.reference import collapse_reference
-    from altup_cupy.workloads import Workload
+    from altup_cupy.lab.workloads import Workload
 
     def stand_in(hidden_states, weights, eps):
         out = collapse_reference(hidden_states, weights, eps, torch.float32)

@@ -8,10 +8,10 @@ import torch
 from altup_cupy import predict_correct_backward
 from altup_cupy.ops.predict_correct_backward_versions import (VERSIONS, v4_plan_override, v4_stage_choices,
                                                                v4_supported)
-from altup_cupy.benchmarks.predict_correct_backward import ARG_NAMES, eager_fp32
-from altup_cupy.check import oracle_bound
+from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES, eager_fp32
+from altup_cupy.lab.check import oracle_bound
 from altup_cupy.reference import predict_correct_backward_reference
-from altup_cupy.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
+from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
 
 pytestmark = pytest.mark.gpu
 
