@@ -47,8 +47,8 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 import altup_cupy.gemma3n as gemma3n  # noqa: E402
 from altup_cupy import gemma3n_kernels as kernels  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
-from altup_cupy.lab.paths import results_dir  # noqa: E402
 from altup_cupy.lab.bench import copy_floor, headstart_for, run_info, time_us, write_csv  # noqa: E402
+from altup_cupy.lab.paths import results_dir  # noqa: E402
 from altup_cupy.reference import gemma3n as ref  # noqa: E402
 from gemma3n_support import tiny_text_config  # noqa: E402
 from transformers.models.gemma3n import modeling_gemma3n as modeling  # noqa: E402

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from altup_cupy.lab import figures, report
-from altup_cupy.lab.paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from altup_cupy.lab.bench import CSV_COLUMNS, csv_path, read_csv
 from altup_cupy.lab.benchmarks import collapse as collapse_bench
 from altup_cupy.lab.benchmarks import predict_correct_backward as backward_bench
 from altup_cupy.lab.ceilings import H200
+from altup_cupy.lab.paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from altup_cupy.lab.workloads import Workload
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
