@@ -24,6 +24,7 @@ from altup_cupy._launch import SLOT_BYTES, ByValue
 from altup_cupy.lab.check import oracle_bound
 from altup_cupy.lab.workloads import Workload, benchmark_workloads, collapse_inputs, gemma3n_workloads, tolerance_report
 from altup_cupy.ops import collapse_hopper as ch
+from altup_cupy.ops.collapse_versions import VERSIONS
 from altup_cupy.reference import collapse_reference
 
 KERNEL_TEXT = (KERNELS_DIR / "collapse_gemm_sm90.cuh").read_text()
@@ -455,14 +456,17 @@ def odd_workloads() -> list[Workload]:
 
 
 OP_WORKLOADS = benchmark_workloads("collapse") + gemma3n_workloads("collapse") + odd_workloads()
+# Every version the registry runs on Hopper only (v1 is tests/test_collapse.py's).
+HOPPER_VERSIONS = [n for n, v in VERSIONS.items() if v.min_compute_capability == 90]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("version", HOPPER_VERSIONS)
 @pytest.mark.parametrize("index", range(len(OP_WORKLOADS)), ids=[w.label for w in OP_WORKLOADS])
 def test_collapse_benchmark_rule_and_oracle(index, version, seeds):
     if not _hopper():
         pytest.skip("collapse v2-v4 need a Hopper GPU (compute capability 9.0)")
+
     def run(hidden_states, weights, eps):
         out = collapse(hidden_states, weights, eps, version=version)
         torch.cuda.synchronize()

@@ -134,3 +134,15 @@ def test_tests_import_nothing_from_scripts():
             elif isinstance(node, ast.Constant) and node.value in files:
                 found.append(f"{path.name}: names {node.value}")
     assert scripts and not found, "\n".join(found)
+
+
+def test_one_module_calls_the_drivers_kernel_launch():
+    """Every launch goes through `_launch.PackedLaunch`: no other module names the driver's launch
+    call (an attribute or name of the code, comments and docstrings aside)."""
+    callers = set()
+    for name, (path, _) in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+            if named in ("launchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel"):
+                callers.add(name)
+    assert callers == {"altup_cupy._launch"}, callers
