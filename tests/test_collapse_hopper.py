@@ -22,7 +22,8 @@ from altup_cupy import collapse
 from altup_cupy._build import KERNELS_DIR, compile_offline
 from altup_cupy._launch import SLOT_BYTES, ByValue
 from altup_cupy.lab.check import oracle_bound
-from altup_cupy.lab.workloads import Workload, benchmark_workloads, collapse_inputs, gemma3n_workloads, tolerance_report
+from altup_cupy.lab.workloads import (Workload, benchmark_workloads, collapse_inputs, gemma3n_workloads,
+                                      tolerance_report)
 from altup_cupy.ops import collapse_hopper as ch
 from altup_cupy.ops.collapse_versions import VERSIONS
 from altup_cupy.reference import collapse_reference

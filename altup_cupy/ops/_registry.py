@@ -61,7 +61,8 @@ def pick(versions: Mapping[int, Version], preference: Sequence[int], requested: 
     raise ValueError(f"no version serves N = {streams}, H = {hidden} on {device_name}")
 
 
-def picker(versions: Mapping[int, Version], preference: Sequence[int]) -> Callable[[int | None, int, int, int], Version]:
+def picker(versions: Mapping[int, Version],
+           preference: Sequence[int]) -> Callable[[int | None, int, int, int], Version]:
     """`version(requested, streams, hidden, device index)`: the version that serves a call, picked
     once per shape and device (`pick` on the device's compute capability; the default choice under
     ALTUP_MAX_COMPUTE_CAPABILITY's cap). Each version caches its own plans."""

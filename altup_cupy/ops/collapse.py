@@ -16,6 +16,7 @@ import torch
 from .. import _arrays, _device
 from ..reference import collapse_reference
 from . import _registry
+from ._registry import fast_path_applies
 from .collapse_versions import PREFERENCE, VERSIONS
 
 BF16 = torch.bfloat16
@@ -116,7 +117,7 @@ def collapse(hidden_states: Any, unembed_projs: Sequence[Any] | Any, eps: float 
     eps = _arrays.positive_finite("eps", eps)
     _registry.check_number(VERSIONS, version)
     if not cupy_in:
-        if _registry.fast_path_applies([hs, *weights]):
+        if fast_path_applies([hs, *weights]):
             with _device.on(hs.device):
                 return _run_cuda(hs, weights, eps, version, fast_path=True)
         return torch.ops.altup_cupy.collapse(hs, weights, eps, version)

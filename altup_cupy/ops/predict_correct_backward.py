@@ -16,6 +16,7 @@ import torch
 from .. import _arrays, _device
 from ..reference import predict_correct_backward_reference
 from . import _registry
+from ._registry import fast_path_applies
 from .predict_correct_backward_versions import MAX_HIDDEN, PREFERENCE, VERSIONS
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -165,7 +166,7 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     eps = _arrays.positive_finite("eps", eps)
     _registry.check_number(VERSIONS, version)
     if not cupy_in:
-        if _registry.fast_path_applies(inputs):
+        if fast_path_applies(inputs):
             with _device.on(inputs[0].device):
                 return PredictCorrectGrads(*_run_cuda(inputs, active_idx, eps, version, fast_path=True))
         return PredictCorrectGrads(*torch.ops.altup_cupy.predict_correct_backward(

@@ -12,8 +12,9 @@ v2-v4 write per-block partials of the weight gradients that the reduce kernel su
 order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
 
 A plan is built once per (version, N, active index, tokens, H, device; v4 also per ring-stage
-count): launch shape, occupancy, packed launches. Calling it takes the weight-gradient partials from scratch memory (`_scratch`:
-reused per stream on the eager fast path, else fresh) and launches.
+count): launch shape, occupancy, packed launches. Calling it takes the weight-gradient partials
+from scratch memory (`_scratch`: reused per stream on the eager fast path, else fresh) and
+launches.
 """
 
 from __future__ import annotations
