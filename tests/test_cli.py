@@ -1,4 +1,4 @@
-"""Where the CLI reads and writes (altup_cupy._paths) and what it says when something is missing.
+"""Where the CLI reads and writes (altup_cupy.lab.paths) and what it says when something is missing.
 No GPU needed: on a machine without one, `bench` replays recorded results."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from altup_cupy import __main__ as altup_main
-from altup_cupy import _paths
 from altup_cupy.__main__ import _gpu_of, main
 from altup_cupy._extras import MissingExtraError, require
+from altup_cupy.lab import paths
 from test_figures import write_synthetic
 
 
@@ -18,37 +18,37 @@ from test_figures import write_synthetic
                                        ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb"),
                                        ("  NVIDIA GeForce RTX 4090 ", "nvidia-geforce-rtx-4090")])
 def test_gpu_slug(name, slug):
-    assert _paths.gpu_slug(name) == slug
+    assert paths.gpu_slug(name) == slug
 
 
 def test_gpu_slug_rejects_a_name_without_letters():
     with pytest.raises(ValueError, match="gpu_name"):
-        _paths.gpu_slug(" -- ")
+        paths.gpu_slug(" -- ")
 
 
 def test_results_dir_is_per_gpu_under_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert _paths.results_dir("NVIDIA H200") == tmp_path / "results" / "nvidia-h200"
-    assert _paths.results_dir("NVIDIA L40S", "/data") == Path("/data/results/nvidia-l40s")
+    assert paths.results_dir("NVIDIA H200") == tmp_path / "results" / "nvidia-h200"
+    assert paths.results_dir("NVIDIA L40S", "/data") == Path("/data/results/nvidia-l40s")
 
 
 def test_the_checkout_records_the_h200():
-    assert _paths.REPO_ROOT is not None, "the tests run from a checkout"
-    assert _paths.RECORDED_RESULTS_DIR == _paths.REPO_ROOT / "results" / "nvidia-h200"
-    assert any(_paths.RECORDED_RESULTS_DIR.glob("bench_*.csv"))
-    assert _paths.figures_dir_for(_paths.RECORDED_RESULTS_DIR) == _paths.FIGURES_DIR
+    assert paths.REPO_ROOT is not None, "the tests run from a checkout"
+    assert paths.RECORDED_RESULTS_DIR == paths.REPO_ROOT / "results" / "nvidia-h200"
+    assert any(paths.RECORDED_RESULTS_DIR.glob("bench_*.csv"))
+    assert paths.figures_dir_for(paths.RECORDED_RESULTS_DIR) == paths.FIGURES_DIR
 
 
 def test_another_gpus_figures_stay_in_its_results_folder(tmp_path):
     other = tmp_path / "results" / "nvidia-a100"
-    assert _paths.figures_dir_for(other) == other.resolve() / "figures"
+    assert paths.figures_dir_for(other) == other.resolve() / "figures"
 
 
 def test_recorded_results_dirs_prefer_the_current_directory(tmp_path, monkeypatch):
     write_synthetic(tmp_path / "results" / "nvidia-l40s")
     (tmp_path / "results" / "empty-gpu").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert _paths.recorded_results_dirs() == [tmp_path / "results" / "nvidia-l40s"]
+    assert paths.recorded_results_dirs() == [tmp_path / "results" / "nvidia-l40s"]
 
 
 def test_bench_without_gpu_replays_a_results_folder(tmp_path, monkeypatch, capsys):
@@ -91,3 +91,20 @@ def test_cli_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, c
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
     assert main(["figures", "--results-dir", str(tmp_path / "r"), "--figures-dir", str(tmp_path / "f")]) == 1
     assert "pip install 'altup_cupy[figures]'" in capsys.readouterr().err
+
+
+def test_bench_model_suite_passes_its_arguments_through(tmp_path, monkeypatch):
+    from altup_cupy.lab import gemma3n_model
+
+    received = []
+    monkeypatch.setattr(gemma3n_model, "main", lambda argv: received.append(argv) or 0)
+    assert main(["bench", "--suite", "gemma3n-model", "--config", "tiny", "--device", "cpu", "--reps", "2",
+                 "--results-dir", str(tmp_path)]) == 0
+    assert received == [["--config", "tiny", "--device", "cpu", "--reps", "2", "--out",
+                         str(tmp_path / "gemma3n_model.csv")]]
+
+
+def test_bench_refuses_unknown_arguments_of_the_kernel_suites(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--suite", "benchmark", "--config", "tiny"])
+    assert "unrecognized arguments: --config tiny" in capsys.readouterr().err
