@@ -79,8 +79,8 @@ def measure(device: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from .._paths import results_dir
-    from ..bench import run_info, write_csv
+    from .paths import results_dir
+    from .bench import run_info, write_csv
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="the CSV (default: results/<gpu or cpu>/...)")
