@@ -327,12 +327,14 @@ def _rel_l2(a, b):
 def test_compiled_patched_model_matches_transformers(seeds, mode):
     """torch.compile of the patched model (default mode, and CUDA graphs through reduce-overhead),
     training step: no graph break that the unpatched model does not have and none in altup_cupy;
-    the loss and every gradient within twice the error (against float64) of transformers' own
-    eager bf16 step."""
+    the loss and every gradient within twice the error (against float64) of transformers' own bf16
+    step, eager or compiled in the same mode, whichever errs more (a single bf16 loss can land
+    within 1e-5 of float64 by chance in one and not in the other)."""
     start = _small_causal_lm(seeds())
     ids = torch.randint(3, 512, (2, 128), device="cuda")
     f64_loss, f64 = _loss_and_grads(copy.deepcopy(start), ids)
     eager_loss, eager = _loss_and_grads(copy.deepcopy(start).to(torch.bfloat16), ids)
+    compile_mode = None if mode == "default" else mode
     patched = copy.deepcopy(start).to(torch.bfloat16)
     gemma3n.patch(patched)
     try:
@@ -346,14 +348,23 @@ def test_compiled_patched_model_matches_transformers(seeds, mode):
             assert explanation.graph_break_count == unpatched_breaks, reasons
             assert not [r for r in reasons if "altup_cupy" in r], reasons
         torch._dynamo.reset()
-        loss, grads = _loss_and_grads(torch.compile(patched, mode=None if mode == "default" else mode), ids, calls=3)
+        loss, grads = _loss_and_grads(torch.compile(patched, mode=compile_mode), ids, calls=3)
     finally:
         gemma3n.unpatch(patched)
         torch._dynamo.reset()
-    bound = ORACLE_FACTOR * _rel_l2(eager_loss, f64_loss) + ORACLE_FLOOR
-    assert _rel_l2(loss, f64_loss) <= bound, f"loss {loss.item()} vs float64 {f64_loss.item()}"
+    compiled_loss, compiled = _loss_and_grads(
+        torch.compile(copy.deepcopy(start).to(torch.bfloat16), mode=compile_mode), ids, calls=3)
+    torch._dynamo.reset()
+
+    def bound(name, ref):
+        baseline = max(_rel_l2(eager_loss if name == "loss" else eager[name], ref),
+                       _rel_l2(compiled_loss if name == "loss" else compiled[name], ref))
+        return ORACLE_FACTOR * baseline + ORACLE_FLOOR, baseline
+
+    limit, baseline = bound("loss", f64_loss)
+    assert _rel_l2(loss, f64_loss) <= limit, (
+        f"loss {loss.item()} vs float64 {f64_loss.item()} (transformers' bf16 rel. error {baseline:.3e})")
     assert grads.keys() == f64.keys()
     for name, g in grads.items():
-        error, eager_error = _rel_l2(g, f64[name]), _rel_l2(eager[name], f64[name])
-        assert error <= ORACLE_FACTOR * eager_error + ORACLE_FLOOR, (
-            f"{name}: rel. L2 {error:.3e} > 2 x transformers' bf16 {eager_error:.3e}")
+        error, (limit, baseline) = _rel_l2(g, f64[name]), bound(name, f64[name])
+        assert error <= limit, f"{name}: rel. L2 {error:.3e} > 2 x transformers' bf16 {baseline:.3e}"
