@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from .._extras import require
-from .._paths import results_dir
-from ..bench import run_info
+from .bench import run_info
 from .gemma3n_model import append_row, build_model
+from .paths import results_dir
 
 ENGINES = ("ddp", "fsdp2")
 CONFIGS = ("mini", "tiny")
