@@ -6,10 +6,12 @@ Every run is the `tiny` Gemma3nForCausalLM of altup_cupy.lab.gemma3n_model in fl
 each process (`patch(model, serve_cpu=True)`: the operators' float32 CPU reference), built from the
 same seed and trained on the same batches; each rank takes its half of every batch. Each rank's
 loss is the mean over its tokens and both halves have as many tokens, so the ranks' average loss is
-the whole batch's and the gradients the engines average are the whole batch's gradients.
+the whole batch's and the gradients the engines average are the whole batch's gradients. The
+AltUp coefficients (std 0.3) stay inside training mode's clip (120): README, "Training on several
+GPUs", says what FSDP2 does past it.
 
-Tolerance. The runs do the same float32 arithmetic in different orders: GEMMs and sums over half
-the batch, the loss as the mean of two means, the gradients as fl((g0 + g1) / 2) (DDP's all-reduce,
+Tolerance. The runs do the same float32 arithmetic in different orders: GEMMs and sums over half the
+batch, the loss as the mean of two means, the gradients as fl((g0 + g1) / 2) (DDP's all-reduce,
 FSDP2's reduce-scatter) instead of one sum over the batch. On this model that moves the first step's
 gradients by at most 6e-8 (5e-7 of each tensor's largest gradient) and the losses by at most 2e-7
 relative. Losses: rtol 1e-5, 50x that. Parameters: AdamW steps by lr m / (sqrt(v) + eps), m and v
@@ -17,8 +19,8 @@ running averages of g and g^2. With the default eps = 1e-8 an element whose grad
 the level of rounding (a few dozen of this model's 112k are nonzero and below 1e-7) takes a step
 that the rounding decides, anywhere in [-lr, lr]: no tolerance below lr could tell a bug from it.
 With eps = 1e-3 (the median gradient is ~1.5e-3) the step is Lipschitz in the gradients: a gradient
-difference dg moves it by at most about 2 lr dg / eps, 1.2e-10 a step here, far below the float32 spacing
-of the parameters (1.2e-7 at 1.0), so the final parameters agree to within a few roundings:
+difference dg moves it by at most about 2 lr dg / eps, 1.2e-10 a step here, far below the float32
+spacing of the parameters (1.2e-7 at 1.0), so the final parameters agree to within a few roundings:
 rtol 1e-5 (~100 of them), atol 1e-6 (a thousandth of lr, for parameters near 0). Measured: one
 rounding at most. Such an eps also keeps the step sensitive to the gradients' scale, which Adam's
 normalisation otherwise cancels: a sum over the ranks in place of their mean fails the loss check.
