@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import torch
@@ -65,3 +66,21 @@ def tiny_text_config(streams: int = 4, hidden: int = 16, active_idx: int = 0, la
         pad_token_id=0, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
     )
     return Gemma3nTextConfig(**{**arguments, **sizes})
+
+
+def count_altup_calls(set_attribute: Callable = setattr) -> dict[str, int]:
+    """How often each altup_cupy.torch operator (the patched model's route) is called from now on:
+    a dict that counts up. With pytest's `monkeypatch.setattr` the counting ends with the test; with
+    the default it lasts for the rest of the process."""
+    from altup_cupy import torch as altup
+
+    calls = dict.fromkeys(("predict", "correct", "expand", "collapse"), 0)
+    for name in calls:
+        function = getattr(altup, name)
+
+        def counted(*args, _name=name, _function=function, **kwargs):
+            calls[_name] += 1
+            return _function(*args, **kwargs)
+
+        set_attribute(altup, name, counted)
+    return calls

@@ -8,10 +8,9 @@ import csv
 import pytest
 import torch
 
-from gemma3n_support import transformers_gemma3n
+from gemma3n_support import count_altup_calls, transformers_gemma3n
 
 transformers_gemma3n()
-from altup_cupy import torch as altup  # noqa: E402
 from altup_cupy.lab import gemma3n_model as bench  # noqa: E402
 
 SHA = "0123456789ab"
@@ -38,16 +37,7 @@ def _run(out, *extra):
 @pytest.fixture
 def op_calls(monkeypatch):
     """How often a step reached each altup_cupy.torch function (the patched model's route)."""
-    calls = dict.fromkeys(("predict", "correct", "expand", "collapse"), 0)
-    for name in calls:
-        function = getattr(altup, name)
-
-        def counted(*args, _name=name, _function=function, **kwargs):
-            calls[_name] += 1
-            return _function(*args, **kwargs)
-
-        monkeypatch.setattr(altup, name, counted)
-    return calls
+    return count_altup_calls(monkeypatch.setattr)
 
 
 def test_tiny_cpu_run_writes_one_row_per_case(tmp_path, op_calls):

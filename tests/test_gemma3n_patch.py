@@ -9,14 +9,13 @@ import warnings
 import pytest
 import torch
 
-from gemma3n_support import tiny_text_config, transformers_gemma3n
+from gemma3n_support import count_altup_calls, tiny_text_config, transformers_gemma3n
 
 modeling = transformers_gemma3n()
 import transformers  # noqa: E402
 
 import altup_cupy.gemma3n as gemma3n  # noqa: E402  (needs transformers)
 from altup_cupy import gemma3n_forward  # noqa: E402
-from altup_cupy import torch as altup  # noqa: E402
 
 FP32_TOL = dict(rtol=2e-4, atol=2e-5)  # two fp32 evaluation orders of the same math
 # Gradients after a few layers of attention carry fp32 cancellation in single elements: compared
@@ -58,16 +57,7 @@ def _run(model, ids, grad_seed):
 @pytest.fixture
 def op_calls(monkeypatch):
     """How often the patched code reached each altup_cupy.torch function."""
-    calls = dict.fromkeys(("predict", "correct", "expand", "collapse"), 0)
-    for name in calls:
-        function = getattr(altup, name)
-
-        def counted(*args, _name=name, _function=function, **kwargs):
-            calls[_name] += 1
-            return _function(*args, **kwargs)
-
-        monkeypatch.setattr(altup, name, counted)
-    return calls
+    return count_altup_calls(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("streams,active", [(2, 1), (3, 0), (4, 0), (4, 3)])

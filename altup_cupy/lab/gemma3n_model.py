@@ -346,20 +346,20 @@ def row(case: Case, m: Measurement, regional: bool, info: dict) -> dict:
                 peak_mib=fmt(m.peak_mib, 1), git_sha=info["git_sha"], date=info["date"])
 
 
-def append_row(path: Path, values: dict) -> None:
+def append_row(path: Path, values: dict, columns: Sequence[str] = COLUMNS) -> None:
     """Append one row (the header first into a new or empty file); an existing file must have exactly
-    COLUMNS, so rows never land under another schema's header. Opened and closed per row: a killed run
-    keeps every finished row."""
+    `columns`, so rows never land under another schema's header. Opened and closed per row: a killed
+    run keeps every finished row."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     if not new:
         with path.open(newline="") as f:
             header = next(csv.reader(f), [])
-        if tuple(header) != COLUMNS:
-            raise ValueError(f"{path} has columns {header}, not {list(COLUMNS)}: choose another --out")
+        if tuple(header) != tuple(columns):
+            raise ValueError(f"{path} has columns {header}, not {list(columns)}: choose another --out")
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         if new:
             writer.writeheader()
         writer.writerow(values)
