@@ -27,8 +27,13 @@ from pathlib import Path
 from typing import Mapping
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
-# No --use_fast_math: tanh, rsqrt and division keep their IEEE-accurate fp32 versions.
-NVRTC_OPTIONS = ("-std=c++17",)
+# Every NVRTC compile of the package, on a GPU (cupy.RawModule) and offline (compile_offline, the
+# sm_90a cubins, `check`), gets these options and the architecture, nothing else. CuPy adds the
+# last two to every RawModule compile itself; they are stated here so that the offline build is
+# the one a GPU runs: unannotated functions (lambdas) are device code, and fp32 denormals are
+# flushed to zero. No --use_fast_math: tanh, rsqrt and division keep their IEEE-accurate fp32
+# versions.
+NVRTC_OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-ftz=true")
 # Every define reaches the kernels under this prefix, so a source's own names cannot collide.
 DEFINE_PREFIX = "ALTUP_"
 # The architectures `check_all` compiles for: Ampere (A100; RTX 30), Ampere GA10x (A10, A40),
@@ -85,7 +90,7 @@ class KernelSource:
         return _paste_includes(KERNELS_DIR / self.filename, set())
 
     def options(self) -> tuple[str, ...]:
-        """NVRTC options other than the architecture: the language standard and the defines."""
+        """NVRTC options other than the architecture: NVRTC_OPTIONS and the defines."""
         return NVRTC_OPTIONS + tuple(f"-D{DEFINE_PREFIX}{name}={value}" for name, value in self.defines.items())
 
     def target_arch(self, compute_capability: int) -> str:
