@@ -100,12 +100,18 @@ def cmd_bench(args) -> int:
 def cmd_check(args) -> int:
     usable, why = gpu_status()
     if not usable:
-        from ._build import CHECK_ARCHS, check_all
+        from ._build import CHECK_ARCHS, check_all, load_nvrtc
 
+        load_nvrtc()  # before any output: a missing extra is one line, not one per compile
         print(f"No GPU: {why}. Checking what needs none: every kernel source compiles for "
               f"{', '.join(CHECK_ARCHS)} with no spills and no stack frame.")
         return check_all()
 
+    if args.seed is None:
+        import random
+
+        args.seed = random.SystemRandom().randrange(1 << 30)
+        print(f"seed {args.seed}")
     failed = 0
     from .benchmarks import op_bench
     from .check import verify
@@ -172,11 +178,6 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_figures)
 
     args = parser.parse_args(argv)
-    if getattr(args, "command", None) == "check" and args.seed is None:
-        import random
-
-        args.seed = random.SystemRandom().randrange(1 << 30)
-        print(f"seed {args.seed}")
     try:
         return args.func(args)
     except MissingExtraError as error:

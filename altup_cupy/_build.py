@@ -9,8 +9,8 @@ text (recursively, each header once), so NVRTC needs no include path and no CUDA
   `cupy.RawModule` for the device's own architecture (cached by CuPy in memory and on disk), and
   refuses a device older than the source's `min_arch`.
 - Without a GPU, `compile_offline(source, arch)` compiles the same text with the same options for
-  any architecture through `cuda.bindings.nvrtc` (pip: cuda-bindings + nvidia-cuda-nvrtc) and
-  reads ptxas' report; `check_all()` (`python -m altup_cupy check` without a GPU) does it for
+  any architecture through `cuda.bindings.nvrtc` (the `nvrtc` extra: cuda-bindings and
+  nvidia-cuda-nvrtc) and reads ptxas' report; `check_all()` (`python -m altup_cupy check` without a GPU) does it for
   every source and every architecture from sm_80 in parallel and prints one table.
 """
 
@@ -25,6 +25,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
+
+from ._extras import missing, require
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 # Every NVRTC compile of the package, on a GPU (cupy.RawModule) and offline (compile_offline, the
@@ -213,16 +215,28 @@ def parse_ptxas_log(log: str) -> tuple[KernelResources, ...]:
     return tuple(kernels)
 
 
+NVRTC_EXTRA = "nvrtc"
+
+
+def load_nvrtc():
+    """cuda.bindings.nvrtc with the NVRTC library loaded, or a MissingExtraError naming the extra."""
+    nvrtc = require("cuda.bindings.nvrtc", NVRTC_EXTRA, "cuda-bindings")
+    try:
+        nvrtc.nvrtcVersion()
+    except RuntimeError as error:  # the bindings load libnvrtc on first use: it was not found
+        raise missing("the NVRTC library (nvidia-cuda-nvrtc)", NVRTC_EXTRA) from error
+    return nvrtc
+
+
 def compile_offline(source: KernelSource, arch: str) -> OfflineBuild:
     """Compile `source` for `arch` ('sm_80', 'sm_90a', ...) to a cubin with NVRTC from pip; needs
     no GPU and no driver. An architecture the source does not support raises ValueError."""
-    from cuda.bindings import nvrtc
-
     number = arch_number(arch)
     if not source.supports(number):
         raise ValueError(f"{source.filename} needs sm_{source.min_arch} or newer, got arch={arch!r}")
     if source.needs_sm90a and arch != "sm_90a":
         raise ValueError(f"{source.filename} needs the sm_90a target, got arch={arch!r}")
+    nvrtc = load_nvrtc()
 
     def check(result, what):
         status = result[0] if isinstance(result, tuple) else result

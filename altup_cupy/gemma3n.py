@@ -34,6 +34,7 @@ import torch
 
 from . import gemma3n_forward, gemma3n_ops
 from . import torch as altup
+from ._extras import missing
 from .ops.collapse import CPU_DTYPES
 
 _MODELING = "transformers.models.gemma3n.modeling_gemma3n"
@@ -46,7 +47,7 @@ def _modeling():
     try:
         return importlib.import_module(_MODELING)
     except ImportError as error:
-        raise ImportError("altup_cupy.gemma3n needs transformers >= 5.17: pip install \"altup_cupy[gemma3n]\"") from error
+        raise missing("transformers with Gemma 3n (>= 5.17)", "gemma3n", error.name) from error
 
 
 def _original(cls: type, name: str):

@@ -3,12 +3,14 @@ No GPU needed: on a machine without one, `bench` replays recorded results."""
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from altup_cupy import __main__ as altup_main
-from altup_cupy import _paths
+from altup_cupy import _extras, _paths
 from altup_cupy.__main__ import _gpu_of, main
 from altup_cupy._extras import MissingExtraError, require
 from test_figures import write_synthetic
@@ -78,16 +80,67 @@ def test_gpu_of_reads_the_recorded_gpu(tmp_path):
     assert _gpu_of(tmp_path) == "NVIDIA H200"
 
 
-def test_a_missing_extra_is_named():
-    with pytest.raises(MissingExtraError, match=r"pip install 'altup_cupy\[figures\]'"):
+def test_a_missing_extra_is_named_with_its_install_command():
+    checkout = _paths.REPO_ROOT
+    with pytest.raises(MissingExtraError, match=rf"altup_cupy_no_such_module is not installed; it comes with the "
+                                                rf"'figures' extra: pip install -e '{checkout}\[figures\]'$"):
         require("altup_cupy_no_such_module", "figures")
     assert require("json", "figures").dumps([]) == "[]"
 
 
-def test_cli_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
-    import sys
+def test_an_installed_copy_names_the_extras_requirements(monkeypatch):
+    """Without a checkout to install from, the command installs what the extra declares."""
+    monkeypatch.setattr(_paths, "REPO_ROOT", None)
+    assert _extras.install_command("figures") == "pip install 'matplotlib>=3.8' 'pillow>=10'"
+    assert _extras.install_command("nvrtc") == "pip install 'cuda-bindings<14,>=13' 'nvidia-cuda-nvrtc<14,>=13'"
 
+
+def _one_line_naming(err: str, extra: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"it comes with the '{extra}' extra: pip install -e '{_paths.REPO_ROOT}[{extra}]'" in lines[0]
+    return lines[0]
+
+
+def test_cli_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
     write_synthetic(tmp_path / "r")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
     assert main(["figures", "--results-dir", str(tmp_path / "r"), "--figures-dir", str(tmp_path / "f")]) == 1
-    assert "pip install 'altup_cupy[figures]'" in capsys.readouterr().err
+    _one_line_naming(capsys.readouterr().err, "figures")
+
+
+def test_bench_replay_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
+    write_synthetic(tmp_path / "r")
+    monkeypatch.setattr(altup_main, "gpu_status", lambda: (False, "hidden by the test"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", "--results-dir", str(tmp_path / "r"), "--figures-dir", str(tmp_path / "f")]) == 1
+    assert _one_line_naming(capsys.readouterr().err, "figures").startswith("python -m altup_cupy bench: matplotlib")
+
+
+def test_bench_names_the_extra_when_tqdm_is_missing(monkeypatch):
+    from altup_cupy import bench
+    from altup_cupy.benchmarks import op_bench
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import tqdm.auto -> ModuleNotFoundError
+    with pytest.raises(MissingExtraError, match="tqdm is not installed; it comes with the 'bench' extra"):
+        bench.measure(op_bench("collapse"), [], "benchmark")
+
+
+@pytest.mark.parametrize("missing_part", ["bindings", "library"])
+def test_check_without_nvrtc_says_so_once(monkeypatch, capsys, missing_part):
+    """Without cuda-bindings, or without the NVRTC library it loads: one line naming the extra,
+    no compile attempted (not one failure per source and architecture)."""
+    monkeypatch.setattr(altup_main, "gpu_status", lambda: (False, "hidden by the test"))
+    if missing_part == "bindings":
+        monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)
+        what = "cuda-bindings is not installed"
+    else:
+        def no_library():
+            raise RuntimeError('Failure finding "libnvrtc.so.13"')
+
+        monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", types.SimpleNamespace(nvrtcVersion=no_library))
+        what = "the NVRTC library (nvidia-cuda-nvrtc) is not installed"
+    assert main(["check"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert _one_line_naming(err, "nvrtc").startswith(f"python -m altup_cupy check: {what}")

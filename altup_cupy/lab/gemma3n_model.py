@@ -461,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .._paths import results_dir
     from ..bench import run_info
 
-    tqdm = require("tqdm.auto", "bench").tqdm
+    tqdm = require("tqdm.auto", "bench", "tqdm").tqdm
     import transformers
 
     if args.device == "cuda" and not torch.cuda.is_available():
