@@ -6,10 +6,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import _paths
 from ._device import gpu_status
 from ._extras import MissingExtraError
-from .workloads import OPS, SUITES
+from .lab import paths as _paths
+from .lab.workloads import OPS, SUITES
+
+
+# `bench --suite gemma3n-model`: the whole-model benchmark (altup_cupy.lab.gemma3n_model), which
+# takes its own arguments; `--suite all` stays the kernels' suites.
+MODEL_SUITE = "gemma3n-model"
+# Timed and warm-up calls of the kernel suites when --reps / --warmup are not given.
+KERNEL_REPS, KERNEL_WARMUP = 100, 10
 
 
 def _selected(value: str, choices: tuple[str, ...]) -> tuple[str, ...]:
@@ -18,7 +25,7 @@ def _selected(value: str, choices: tuple[str, ...]) -> tuple[str, ...]:
 
 def _regenerate(results_dir: Path, figures_dir: Path | None, update_readme: bool) -> None:
     """Figures (and, if asked, the README's tables) from the CSVs in `results_dir`."""
-    from . import figures, report
+    from .lab import figures, report
 
     figures_dir = figures_dir or _paths.figures_dir_for(results_dir)
     for path in figures.regenerate(results_dir, figures_dir):
@@ -44,7 +51,7 @@ def _nothing_recorded() -> int:
 
 def _gpu_of(results_dir: Path) -> str | None:
     """The GPU named in the CSVs already in `results_dir` (None if it holds none)."""
-    from .bench import read_csv
+    from .lab.bench import read_csv
 
     for path in sorted(results_dir.glob("bench_*.csv")):
         for row in read_csv(path):
@@ -52,8 +59,24 @@ def _gpu_of(results_dir: Path) -> str | None:
     return None
 
 
+def _bench_model(args) -> int:
+    """The whole-model benchmark with the arguments bench did not take, and --reps, --warmup and
+    --results-dir where given."""
+    from .lab import gemma3n_model
+
+    forwarded = list(args.model_args)
+    for flag, value in (("--reps", args.reps), ("--warmup", args.warmup)):
+        if value is not None:
+            forwarded += [flag, str(value)]
+    if args.results_dir is not None:
+        forwarded += ["--out", str(args.results_dir / "gemma3n_model.csv")]
+    return gemma3n_model.main(forwarded)
+
+
 def cmd_bench(args) -> int:
-    from . import report
+    if args.suite == MODEL_SUITE:
+        return _bench_model(args)
+    from .lab import report
 
     usable, why = gpu_status()
     if not usable:
@@ -68,9 +91,9 @@ def cmd_bench(args) -> int:
         return 0
     import torch
 
-    from . import bench
-    from .benchmarks import op_bench
-    from .workloads import workloads
+    from .lab import bench
+    from .lab.benchmarks import op_bench
+    from .lab.workloads import workloads
 
     gpu = torch.cuda.get_device_name()
     results_dir = args.results_dir or _paths.results_dir(gpu)
@@ -83,11 +106,13 @@ def cmd_bench(args) -> int:
     for op in _selected(args.op, OPS):
         for suite in _selected(args.suite, SUITES):
             chosen = workloads(op, suite)[: args.limit] if args.limit else workloads(op, suite)
-            rows = bench.measure(op_bench(op), chosen, suite, reps=args.reps, warmup=args.warmup)
+            rows = bench.measure(op_bench(op), chosen, suite,
+                                 reps=KERNEL_REPS if args.reps is None else args.reps,
+                                 warmup=KERNEL_WARMUP if args.warmup is None else args.warmup)
             path = bench.csv_path(op, suite, results_dir)
             bench.write_csv(rows, path)
             print(f"wrote {path}")
-    from . import host_overhead
+    from .lab import host_overhead
 
     path = Path(results_dir) / "host_overhead.csv"
     bench.write_csv(host_overhead.measure(_selected(args.op, OPS)), path, host_overhead.CSV_COLUMNS)
@@ -100,7 +125,8 @@ def cmd_bench(args) -> int:
 def cmd_check(args) -> int:
     usable, why = gpu_status()
     if not usable:
-        from ._build import CHECK_ARCHS, check_all, load_nvrtc
+        from ._build import load_nvrtc
+        from .lab.compile_report import CHECK_ARCHS, check_all
 
         load_nvrtc()  # before any output: a missing extra is one line, not one per compile
         print(f"No GPU: {why}. Checking what needs none: every kernel source compiles for "
@@ -113,9 +139,9 @@ def cmd_check(args) -> int:
         args.seed = random.SystemRandom().randrange(1 << 30)
         print(f"seed {args.seed}")
     failed = 0
-    from .benchmarks import op_bench
-    from .check import verify
-    from .workloads import workloads
+    from .lab.benchmarks import op_bench
+    from .lab.check import verify
+    from .lab.workloads import workloads
 
     print(f"{'op':26s} {'workload':22s} {'impl':14s} {'output':28s} {'matched':>9s} {'rel_l2':>9s} "
           f"{'fp32 torch':>10s}  verdict")
@@ -158,9 +184,14 @@ def main(argv=None) -> int:
                                      "without one, replay the recorded results as tables and figures")
     common(p)
     p.add_argument("--op", choices=(*OPS, "all"), default="all")
-    p.add_argument("--suite", choices=(*SUITES, "all"), default="all")
-    p.add_argument("--reps", type=int, default=100, help="timed calls per measurement (median taken)")
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--suite", choices=(*SUITES, "all", MODEL_SUITE), default="all",
+                   help=f"all: every kernel suite; {MODEL_SUITE}: a whole Gemma 3n model, patched and not "
+                        "(python -m altup_cupy.lab.gemma3n_model; its own arguments follow)")
+    p.add_argument("--reps", type=int, default=None,
+                   help=f"timed calls per measurement, median taken (default {KERNEL_REPS}; "
+                        f"{MODEL_SUITE}: its own)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed calls first (default {KERNEL_WARMUP}; {MODEL_SUITE}: its own)")
     p.add_argument("--limit", type=int, default=0, help="only the first LIMIT workloads of each suite")
     p.set_defaults(func=cmd_bench)
 
@@ -177,7 +208,10 @@ def main(argv=None) -> int:
     common(p)
     p.set_defaults(func=cmd_figures)
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not (args.command == "bench" and args.suite == MODEL_SUITE):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.model_args = rest
     try:
         return args.func(args)
     except MissingExtraError as error:

@@ -10,18 +10,16 @@ text (recursively, each header once), so NVRTC needs no include path and no CUDA
   refuses a device older than the source's `min_arch`.
 - Without a GPU, `compile_offline(source, arch)` compiles the same text with the same options for
   any architecture through `cuda.bindings.nvrtc` (the `nvrtc` extra: cuda-bindings and
-  nvidia-cuda-nvrtc) and reads ptxas' report; `check_all()` (`python -m altup_cupy check` without a GPU) does it for
-  every source and every architecture from sm_80 in parallel and prints one table.
+  nvidia-cuda-nvrtc) and reads ptxas' report (`altup_cupy.lab.compile_report` does it for every
+  source and architecture: `python -m altup_cupy check` without a GPU). The sm_90a sources are
+  built this way on a GPU too.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import tempfile
 import threading
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -38,10 +36,6 @@ KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 NVRTC_OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-ftz=true")
 # Every define reaches the kernels under this prefix, so a source's own names cannot collide.
 DEFINE_PREFIX = "ALTUP_"
-# The architectures `check_all` compiles for: Ampere (A100; RTX 30), Ampere GA10x (A10, A40),
-# Ada (L4, L40S; RTX 40), Hopper (H100, H200).
-CHECK_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
-ARCHS_WITH_FEATURES = {"sm_90a": 90}  # sm_90a: Hopper with wgmma / setmaxnreg
 _INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 
@@ -270,73 +264,3 @@ def compile_offline(source: KernelSource, arch: str) -> OfflineBuild:
         return OfflineBuild(source.filename, arch, bytes(cubin), parse_ptxas_log(log_text), lowered, log_text)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
-
-
-def offline_targets(sources, archs=CHECK_ARCHS) -> list[tuple[KernelSource, str]]:
-    """(source, arch) for every source and every architecture of `archs` it supports; a source
-    that needs sm_90a is compiled for sm_90a in place of sm_90."""
-    targets = []
-    for arch in archs:
-        for source in sources:
-            if source.supports(arch_number(arch)):
-                targets.append((source, "sm_90a" if source.needs_sm90a else arch))
-    return targets
-
-
-def demangle(names: list[str]) -> list[str]:
-    """C++ names as written ('collapse_epilogue_v1<3,2>'), through c++filt when it is installed."""
-    tool = shutil.which("c++filt")
-    if tool is None:
-        return list(names)
-    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True)
-    return [re.sub(r"\s+", "", re.sub(r"^\s*void\s+", "", line.split("(", 1)[0]))
-            for line in out.stdout.splitlines()]
-
-
-def _compile_by_name(filename: str, arch: str) -> OfflineBuild:
-    """compile_offline for a worker process (KernelSource holds a lock: it does not pickle)."""
-    from ._sources import ALL_SOURCES
-
-    return compile_offline(next(s for s in ALL_SOURCES if s.filename == filename), arch)
-
-
-def compile_all(targets: list[tuple[KernelSource, str]], workers: int = 2):
-    """The futures of compile_offline for every (source, arch), in a pool of `workers` processes
-    (one NVRTC compile per core). The caller shuts the returned pool down."""
-    pool = ProcessPoolExecutor(max_workers=workers)
-    return pool, [pool.submit(_compile_by_name, source.filename, arch) for source, arch in targets]
-
-
-def check_all(archs=CHECK_ARCHS, workers: int = 2) -> int:
-    """Compile every source for every architecture it supports, print one table (architecture,
-    source, kernel, registers, spills, stack) and return 0 if everything compiled with no spills
-    and no stack frame, else 1."""
-    from ._sources import ALL_SOURCES
-
-    targets = offline_targets(ALL_SOURCES, archs)
-    print(f"Compiling {len(targets)} (source, architecture) pairs with NVRTC, {workers} at a time ...",
-          flush=True)
-    pool, futures = compile_all(targets, workers)
-    rows, failures = [], []
-    with pool:
-        for (source, arch), future in zip(targets, futures):
-            try:
-                build = future.result()
-            except Exception as error:  # a compile error: reported in the table's place
-                failures.append(f"{arch} {source.filename}: {error}")
-                continue
-            for kernel, name in zip(build.kernels, demangle([k.name for k in build.kernels])):
-                spills = kernel.spill_store_bytes + kernel.spill_load_bytes
-                rows.append((arch, source.filename, name, str(kernel.registers), str(spills),
-                             str(kernel.stack_frame_bytes)))
-    header = ("architecture", "source", "kernel", "registers", "spills B", "stack B")
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    for i, row in enumerate((header, *rows)):
-        print("  ".join(c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
-    bad = [r for r in rows if r[4] != "0" or r[5] != "0"]
-    for failure in failures:
-        print(f"FAILED to compile: {failure}")
-    print(f"{len(rows)} kernels, {len(bad)} with spills or a stack frame, {len(failures)} compile failures")
-    return 1 if bad or failures else 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import re
 from importlib import metadata
 from types import ModuleType
 
-from . import _paths
-
 DISTRIBUTION = "altup_cupy"
+_SELF = re.compile(rf"{DISTRIBUTION}\[([\w,]+)\]")
 
 
 class MissingExtraError(ModuleNotFoundError):
@@ -16,19 +16,29 @@ class MissingExtraError(ModuleNotFoundError):
 
 
 def extra_requirements(extra: str) -> list[str]:
-    """The requirements the installed package declares for `extra` (its Requires-Dist lines)."""
+    """What the installed package declares for `extra` (its Requires-Dist lines), with the extras
+    it names of the package itself ("altup_cupy[nvrtc]") expanded."""
     marker = f'extra == "{extra}"'
-    declared = [line.split(";", 1) for line in metadata.requires(DISTRIBUTION) or ()]
-    return [parts[0].strip() for parts in declared if len(parts) == 2 and parts[1].strip() == marker]
+    found = []
+    for line in metadata.requires(DISTRIBUTION) or ():
+        requirement, _, condition = (part.strip() for part in line.partition(";"))
+        if condition != marker:
+            continue
+        own = _SELF.fullmatch(requirement)
+        found += ([r for name in own.group(1).split(",") for r in extra_requirements(name)] if own
+                  else [requirement])
+    return found
 
 
 def install_command(extra: str) -> str:
-    """The command that installs `extra`: from the checkout the package runs from, as the README
-    installs it; for an installed copy, the extra's own requirements (the package is installed
-    from a checkout, not from an index)."""
-    if _paths.REPO_ROOT is not None:
-        return f"pip install -e '{_paths.REPO_ROOT}[{extra}]'"
-    return "pip install " + " ".join(f"'{r}'" for r in extra_requirements(extra))
+    """The command that installs `extra`'s requirements into this environment (the package itself
+    is installed from a checkout, not from an index); from a checkout that was never installed,
+    the editable install of the extra."""
+    try:
+        requirements = extra_requirements(extra)
+    except metadata.PackageNotFoundError:
+        return f"pip install -e '.[{extra}]' in the checkout"
+    return "pip install " + " ".join(f"'{r}'" for r in requirements)
 
 
 def missing(what: str, extra: str, name: str | None = None) -> MissingExtraError:

@@ -1,10 +1,12 @@
-"""Kernel launches with their arguments packed once.
+"""Kernel launches with their arguments packed once: the package's one call of the driver's launch.
 
 CuPy's `RawKernel.__call__` inspects and converts every argument on every call (several
 microseconds per launch). A `PackedLaunch` fixes, once per kernel and shape, the block size, the
 dynamic shared memory and the C type of every argument; a call then only stores the new values
 into preallocated slots and hands their addresses to `cuLaunchKernel`. The driver copies the
-argument values during the launch call, so the slots may be reused at once.
+argument values during the launch call, so the slots may be reused at once. Every kernel of the
+package launches through it: those NVRTC builds through CuPy and the sm_90a cubins alike
+(`_build.KernelSource.kernel` loads both as CuPy kernels).
 
 Launches go to a raw CUDA stream handle (what `torch.cuda.current_stream().cuda_stream` gives),
 so they are captured like any other work when that stream is capturing a CUDA graph.
@@ -15,18 +17,46 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-# How each argument type is stored (struct codes, native byte order); every argument gets its own
-# 8-byte slot, so each value sits at its natural alignment.
+# How each scalar argument type is stored (struct codes, native byte order); every argument gets
+# its own slot of a multiple of 8 bytes, so each value sits at its natural alignment.
 ARG_CODES = {"ptr": "Q", "i32": "i4x", "i64": "q", "f32": "f4x"}
 SLOT_BYTES = 8
 
 
-class PackedLaunch:
-    """One kernel at one block size and shared-memory size; grid and argument values per call."""
+@dataclass(frozen=True)
+class ByValue:
+    """A struct argument passed by value: `layout` is its fields in `struct` codes, in declaration
+    order and with the struct's own padding spelled out (native sizes, nothing added); a call
+    gives one value per field."""
 
-    def __init__(self, kernel: Any, block: int, shared_bytes: int, arg_types: Sequence[str]):
+    layout: str
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b
+
+
+def _slot_code(arg_type: str | ByValue) -> str:
+    """The struct code of one argument's slot, padded to whole slots."""
+    code = arg_type.layout if isinstance(arg_type, ByValue) else ARG_CODES[arg_type]
+    padding = round_up(struct.calcsize("=" + code), SLOT_BYTES) - struct.calcsize("=" + code)
+    return code + "x" * padding
+
+
+class PackedLaunch:
+    """One kernel at one block size and shared-memory size; grid and argument values per call.
+
+    kernel: a CuPy RawKernel (the CUfunction of the current device is taken); arg_types: one of
+    ARG_CODES' names per argument, or a `ByValue` for a struct passed by value."""
+
+    def __init__(self, kernel: Any, block: int, shared_bytes: int, arg_types: Sequence[str | ByValue]):
         from cupy.cuda import driver
 
         self._launch_kernel = driver.launchKernel
@@ -35,11 +65,12 @@ class PackedLaunch:
         self.shared_bytes = int(shared_bytes)
         # One struct.pack_into stores every value into the slots (one C call, not one per value);
         # the driver reads them through the array of slot addresses.
-        self._pack = struct.Struct("=" + "".join(ARG_CODES[t] for t in arg_types)).pack_into
-        self._slots = (ctypes.c_uint64 * len(arg_types))()
+        codes = [_slot_code(t) for t in arg_types]
+        self._pack = struct.Struct("=" + "".join(codes)).pack_into
+        offsets = [struct.calcsize("=" + "".join(codes[:i])) for i in range(len(codes))]
+        self._slots = (ctypes.c_uint64 * (struct.calcsize("=" + "".join(codes)) // SLOT_BYTES))()
         base = ctypes.addressof(self._slots)
-        self._pointers = (ctypes.c_void_p * len(arg_types))(
-            *(base + SLOT_BYTES * i for i in range(len(arg_types))))
+        self._pointers = (ctypes.c_void_p * len(codes))(*(base + offset for offset in offsets))
         self._pointers_address = ctypes.addressof(self._pointers)
         # Two threads launching through one plan would overwrite each other's slots between the
         # store and the launch.

@@ -83,23 +83,32 @@ COLLAPSE_V1 = KernelSource(
     defines=_COLLAPSE,
 )
 
-# collapse v2-v4 (Hopper GEMM): a CTA computes a BLOCK_M x BLOCK_N tile of y_k, BLOCK_K of the
-# reduction per ring stage (64 bf16 = one 128-byte swizzle row), STAGES stages deep; CONSUMERS
-# warpgroups of 64 rows each plus one producer warpgroup; up to MAX_PROJECTIONS = N-1 streams.
-COLLAPSE_V2_TILE = {"COLLAPSE_V2_BLOCK_M": 128, "COLLAPSE_V2_BLOCK_N": 256, "COLLAPSE_V2_BLOCK_K": 64,
-                    "COLLAPSE_V2_STAGES": 4, "COLLAPSE_V2_CONSUMERS": 2, "COLLAPSE_V2_SWIZZLE_ALIGN": 1024,
-                    "COLLAPSE_V2_MAX_PROJECTIONS": 3, "COLLAPSE_V3_EPILOGUE_MAX_THREADS": 512}
+# collapse v2-v4 (Hopper GEMM, collapse_gemm_sm90.cuh): a CTA computes a BLOCK_M x BLOCK_N tile of
+# y_k, BLOCK_K of the reduction per ring stage (64 bf16 = one 128-byte swizzle row), STAGES stages
+# deep; CONSUMERS warpgroups of 64 rows each plus one producer warpgroup; up to MAX_PROJECTIONS =
+# N-1 streams.
+COLLAPSE_GEMM_TILE = {"COLLAPSE_V2_BLOCK_M": 128, "COLLAPSE_V2_BLOCK_N": 256, "COLLAPSE_V2_BLOCK_K": 64,
+                      "COLLAPSE_V2_STAGES": 4, "COLLAPSE_V2_CONSUMERS": 2, "COLLAPSE_V2_SWIZZLE_ALIGN": 1024,
+                      "COLLAPSE_V2_MAX_PROJECTIONS": 3}
+COLLAPSE_V3_EPILOGUE_MAX_THREADS = 512
 
-# Hopper only (sm_90a): TMA, wgmma, setmaxnreg. The GEMM in three modes (store y_k; also row
-# statistics; also the fused normalisation), the K-split sum and v3's epilogue.
-COLLAPSE_V2 = KernelSource(
-    "collapse_v2.cu",
-    ("collapse_gemm_sm90<0>", "collapse_gemm_sm90<1>", "collapse_gemm_sm90<2>", "collapse_split_sum",
-     *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)),
-    min_arch=90,
-    defines=COLLAPSE_V2_TILE,
-    needs_sm90a=True,
-)
+
+def collapse_gemm(mode: int) -> str:
+    """The GEMM's instantiation of one epilogue mode: 0 stores y_k (v2), 1 also its row statistics
+    (v3), 2 also normalises each finished row block (v4)."""
+    return f"collapse_gemm_sm90<{mode}>"
+
+
+# Hopper only (sm_90a): TMA, wgmma, setmaxnreg. Each version's GEMM mode, v2's K-split sum and
+# v3's epilogue.
+COLLAPSE_V2 = KernelSource("collapse_v2.cu", (collapse_gemm(0), "collapse_split_sum"), min_arch=90,
+                           defines=COLLAPSE_GEMM_TILE, needs_sm90a=True)
+COLLAPSE_V3 = KernelSource(
+    "collapse_v3.cu", (collapse_gemm(1), *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)), min_arch=90,
+    defines={**COLLAPSE_GEMM_TILE, "COLLAPSE_V3_EPILOGUE_MAX_THREADS": COLLAPSE_V3_EPILOGUE_MAX_THREADS},
+    needs_sm90a=True)
+COLLAPSE_V4 = KernelSource("collapse_v4.cu", (collapse_gemm(2),), min_arch=90, defines=COLLAPSE_GEMM_TILE,
+                           needs_sm90a=True)
 
 PREDICT_CORRECT_BACKWARD_REDUCE = KernelSource(
     "predict_correct_backward_reduce.cu",
@@ -182,6 +191,8 @@ ALTUP_ROUTER_GRADS_V1 = KernelSource(
 ALL_SOURCES = (
     COLLAPSE_V1,
     COLLAPSE_V2,
+    COLLAPSE_V3,
+    COLLAPSE_V4,
     PREDICT_CORRECT_BACKWARD_REDUCE,
     PREDICT_CORRECT_BACKWARD_V1,
     PREDICT_CORRECT_BACKWARD_V2,

@@ -25,10 +25,6 @@ MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in 
 # Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
 # registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
-PREDICT_SOURCE = _sources.ALTUP_PREDICT_V1
-CORRECT_SOURCE = _sources.ALTUP_CORRECT_V1
-MAGNITUDE_MATCH_SOURCE = _sources.ALTUP_MAGNITUDE_MATCH_V1
-ROUTER_GRADS_SOURCE = _sources.ALTUP_ROUTER_GRADS_V1
 
 
 class PredictGradients(NamedTuple):
@@ -61,32 +57,55 @@ def _row_threads(hidden: int) -> int:
 _PTR = ("ptr",)
 _FORWARD_TAIL = ("i64", "i32", "f32", "f32")  # tokens, hidden, eps, router scale
 _BACKWARD_TAIL = ("i64", "i64", "i32", "f32", "f32")  # partial stride, tokens, hidden, eps, router scale
-PREDICT_FORWARD_ARGS = _PTR * 5 + _FORWARD_TAIL
-PREDICT_BACKWARD_ARGS = _PTR * 7 + _BACKWARD_TAIL
-CORRECT_FORWARD_ARGS = _PTR * 6 + _FORWARD_TAIL
-CORRECT_BACKWARD_ARGS = _PTR * 9 + _BACKWARD_TAIL
-ROUTER_GRADS_ARGS = ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")
-EXPAND_FORWARD_ARGS = _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")
-MAGNITUDE_MATCH_BACKWARD_ARGS = _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")
 
-# The packed launches built so far, one per source, kernel, device, block size and shared-memory
-# size: a launch converts no argument and looks up no kernel after the first.
+
+class RowKernel(NamedTuple):
+    """One step's kernel: its source, its template and its argument types. A new version of a step
+    is a new `.cu`, its `KernelSource` in `_sources` and this registry's entry pointing at it."""
+    source: KernelSource
+    template: str
+    arg_types: tuple[str, ...]
+
+    def instance(self, params: tuple) -> str:
+        """The name expression of the instantiation <params...> (as `_sources` lists it)."""
+        return f"{self.template}<{', '.join(map(str, params))}>"
+
+
+KERNELS = {
+    # <N, active index>
+    "predict_forward": RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 5 + _FORWARD_TAIL),
+    "predict_backward": RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_backward_v1", _PTR * 7 + _BACKWARD_TAIL),
+    "correct_forward": RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 6 + _FORWARD_TAIL),
+    "correct_backward": RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_backward_v1", _PTR * 9 + _BACKWARD_TAIL),
+    # <N>
+    "router_grads": RowKernel(_sources.ALTUP_ROUTER_GRADS_V1, "altup_router_grads_v1",
+                              ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),
+    "expand_forward": RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_expand_forward_v1",
+                                _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")),
+    # <N, the base row's type>
+    "magnitude_match_backward": RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_magnitude_match_backward_v1",
+                                          _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")),
+}
+
+# The packed launches built so far, one per kernel, instantiation, device, block size and
+# shared-memory size: a launch converts no argument and looks up no kernel after the first.
 _PACKED: dict[tuple, PackedLaunch] = {}
 
 
-def _launch(source: KernelSource, name: str, like: torch.Tensor, grid: int, threads: int,
-            arg_types: tuple[str, ...], args, shared_mem: int = 0) -> None:
-    """One launch on torch's current stream of `like`'s device (its raw handle: a capture of that
-    stream captures the launch)."""
+def _launch(step: str, params: tuple, like: torch.Tensor, grid: int, threads: int, args,
+            shared_mem: int = 0) -> None:
+    """One launch of KERNELS[step]<params> on torch's current stream of `like`'s device (its raw
+    handle: a capture of that stream captures the launch)."""
     device = like.device.index
-    key = (source.filename, name, device, threads, shared_mem)
+    key = (step, params, device, threads, shared_mem)
     with _device.on(like.device):
         launch = _PACKED.get(key)
         if launch is None:
-            kernel = source.kernel(name)
+            entry = KERNELS[step]
+            kernel = entry.source.kernel(entry.instance(params))
             if shared_mem > kernel.max_dynamic_shared_size_bytes:
                 kernel.max_dynamic_shared_size_bytes = shared_mem
-            launch = _PACKED[key] = PackedLaunch(kernel, threads, shared_mem, arg_types)
+            launch = _PACKED[key] = PackedLaunch(kernel, threads, shared_mem, entry.arg_types)
         launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
 
 
@@ -110,7 +129,7 @@ def _router_grads(partials: torch.Tensor, coef_columns: int, router_weight: torc
     grad_R, grad_w = torch.empty_like(router_weight), torch.empty_like(norm_weight)
     # 32 columns a block, 32 chains of partial rows each: the hidden columns, then the coefficients
     grid = (hidden + 31) // 32 + (coef_columns + 31) // 32
-    _launch(ROUTER_GRADS_SOURCE, f"altup_router_grads_v1<{streams}>", partials, grid, 1024, ROUTER_GRADS_ARGS,
+    _launch("router_grads", (streams,), partials, grid, 1024,
             (_ptr(partials), numpy.int32(partials.shape[0]), numpy.int64(partials.shape[1]), numpy.int32(hidden),
              numpy.int32(coef_columns), _ptr(router_weight), _ptr(norm_weight), numpy.float32(router_scale),
              _ptr(grad_coefs), _ptr(grad_R), _ptr(grad_w)))
@@ -122,18 +141,16 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     tokens = hidden_states[0].numel() // hidden
     out = torch.empty_like(hidden_states)
-    _launch(PREDICT_SOURCE, f"altup_predict_forward_v1<{streams}, {active_idx}>", hidden_states, tokens,
-            _row_threads(hidden), PREDICT_FORWARD_ARGS,
+    _launch("predict_forward", (streams, active_idx), hidden_states, tokens, _row_threads(hidden),
             (_ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight), _ptr(norm_weight), _ptr(out),
              numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
     return out
 
 
-def _routed_backward(source: KernelSource, name: str, arg_types: tuple[str, ...], tensors: Sequence[torch.Tensor],
-                     coef_columns: int,
+def _routed_backward(step: str, active_idx: int, tensors: Sequence[torch.Tensor], coef_columns: int,
                      router_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_scale: float,
                      shared_mem: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the predict or correct backward kernel `name` and sums its per-block partials.
+    """Launches KERNELS[step] (the predict or correct backward) and sums its per-block partials.
 
     tensors: the kernel's pointer arguments before the partials, the first one [N, B, S, H]. A block's
     partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
@@ -143,7 +160,7 @@ def _routed_backward(source: KernelSource, name: str, arg_types: tuple[str, ...]
     tokens = like[0].numel() // hidden
     blocks = _backward_blocks(like, tokens)
     partials, stride = _partials(like, blocks, streams * hidden + coef_columns)
-    _launch(source, name, like, blocks, _row_threads(hidden), arg_types,
+    _launch(step, (streams, active_idx), like, blocks, _row_threads(hidden),
             (*map(_ptr, tensors), _ptr(partials), numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden),
              numpy.float32(eps), numpy.float32(router_scale)),
             shared_mem=shared_mem)
@@ -155,8 +172,7 @@ def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_w
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     grad_h = torch.empty_like(hidden_states)
     grad_P, grad_R, grad_w = _routed_backward(
-        PREDICT_SOURCE, f"altup_predict_backward_v1<{streams}, {active_idx}>", PREDICT_BACKWARD_ARGS,
-        (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
+        "predict_backward", active_idx, (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
         router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
     return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
 
@@ -166,8 +182,7 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
     streams, hidden = predictions.shape[0], predictions.shape[-1]
     tokens = activated.numel() // hidden
     out = torch.empty_like(predictions)
-    _launch(CORRECT_SOURCE, f"altup_correct_forward_v1<{streams}, {active_idx}>", predictions, tokens,
-            _row_threads(hidden), CORRECT_FORWARD_ARGS,
+    _launch("correct_forward", (streams, active_idx), predictions, tokens, _row_threads(hidden),
             (_ptr(predictions), _ptr(activated), _ptr(correction_coefs), _ptr(router_weight), _ptr(norm_weight),
              _ptr(out), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
     return out
@@ -175,12 +190,11 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
                      active_idx: int, eps: float, router_scale: float) -> CorrectGradients:
-    streams = predictions.shape[0]
+    streams, hidden = predictions.shape[0], predictions.shape[-1]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
     grad_Q, grad_R, grad_w = _routed_backward(
-        CORRECT_SOURCE, f"altup_correct_backward_v1<{streams}, {active_idx}>", CORRECT_BACKWARD_ARGS,
-        (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
-        streams ** 2, router_weight, norm_weight, eps, router_scale)
+        "correct_backward", active_idx, (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
+        streams ** 2, router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
 
@@ -206,8 +220,7 @@ def expand_epilogue(x0, projected, out, floor: float) -> None:
     projected fp32 [M, (N-1) H], out bf16 [N, M, H])."""
     tokens, hidden = x0.shape
     streams = out.shape[0]
-    _launch(MAGNITUDE_MATCH_SOURCE, f"altup_expand_forward_v1<{streams}>", x0, tokens, _row_threads(hidden),
-            EXPAND_FORWARD_ARGS,
+    _launch("expand_forward", (streams,), x0, tokens, _row_threads(hidden),
             (_ptr(x0), _ptr(projected), _ptr(out), numpy.int64(hidden), numpy.int64((streams - 1) * hidden),
              numpy.int64(tokens), numpy.int32(hidden), numpy.float32(floor)))
 
@@ -217,8 +230,7 @@ def magnitude_match_backward(grad, stream_stride: int, scale: float, base, proje
     streams = projected.numel() // base.numel() + 1
     hidden = base.shape[-1]
     base_type = "float" if grad_base.dtype == torch.float32 else "unsigned short"
-    _launch(MAGNITUDE_MATCH_SOURCE, f"altup_magnitude_match_backward_v1<{streams}, {base_type}>", base,
-            base.numel() // hidden, _row_threads(hidden), MAGNITUDE_MATCH_BACKWARD_ARGS,
+    _launch("magnitude_match_backward", (streams, base_type), base, base.numel() // hidden, _row_threads(hidden),
             (_ptr(grad), _ptr(base), _ptr(projected), _ptr(grad_projected), _ptr(grad_base),
              numpy.int64(stream_stride), numpy.float32(scale), numpy.int64(proj_strides[0]),
              numpy.int64(proj_strides[1]), numpy.int32(hidden), numpy.float32(floor)))

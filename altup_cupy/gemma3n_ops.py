@@ -1,4 +1,4 @@
-"""PyTorch custom operators (namespace altup_cupy) for Gemma 3n's AltUp steps, forward and backward.
+"""PyTorch operators (namespace altup_cupy, registered by `_operators`) for Gemma 3n's AltUp steps, forward and backward.
 
     predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale) -> pred
     predict_backward(grad, hidden_states, ...) -> (grad_hidden_states, grad_P, grad_R, grad_w)
@@ -26,6 +26,7 @@ import torch
 
 from . import _arrays
 from . import gemma3n_kernels as cuda
+from ._operators import operator
 from .ops.collapse import CPU_DTYPES
 from .reference import gemma3n as ref
 
@@ -143,7 +144,8 @@ def _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weigh
     return streams, hidden
 
 
-@torch.library.custom_op("altup_cupy::predict", mutates_args=())
+@operator("predict(Tensor hidden_states, Tensor prediction_coefs, Tensor router_weight, Tensor norm_weight, "
+          "SymInt active_idx, float eps, float router_scale) -> Tensor")
 def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
             norm_weight: torch.Tensor, active_idx: int, eps: float, router_scale: float) -> torch.Tensor:
     streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
@@ -164,7 +166,9 @@ def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, e
     return torch.empty_like(hidden_states)
 
 
-@torch.library.custom_op("altup_cupy::predict_backward", mutates_args=())
+@operator("predict_backward(Tensor grad_predictions, Tensor hidden_states, Tensor prediction_coefs, "
+          "Tensor router_weight, Tensor norm_weight, SymInt active_idx, float eps, "
+          "float router_scale) -> (Tensor, Tensor, Tensor, Tensor)")
 def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor, prediction_coefs: torch.Tensor,
                      router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
                      router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,7 +219,8 @@ def _validate_correct(predictions, activated, correction_coefs, router_weight, n
 _CORRECT_NAMES = ("predictions", "activated", "correction_coefs", "router_weight", "norm_weight")
 
 
-@torch.library.custom_op("altup_cupy::correct", mutates_args=())
+@operator("correct(Tensor predictions, Tensor activated, Tensor correction_coefs, Tensor router_weight, "
+          "Tensor norm_weight, SymInt active_idx, float eps, float router_scale) -> Tensor")
 def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
             router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
             router_scale: float) -> torch.Tensor:
@@ -235,7 +240,9 @@ def _(predictions, activated, correction_coefs, router_weight, norm_weight, acti
     return torch.empty_like(predictions)
 
 
-@torch.library.custom_op("altup_cupy::correct_backward", mutates_args=())
+@operator("correct_backward(Tensor grad_corrected, Tensor predictions, Tensor activated, Tensor correction_coefs, "
+          "Tensor router_weight, Tensor norm_weight, SymInt active_idx, float eps, "
+          "float router_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, activated: torch.Tensor,
                      correction_coefs: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor,
                      active_idx: int, eps: float, router_scale: float
@@ -275,7 +282,7 @@ def _check_floor(floor):
     _arrays.positive_finite("floor", floor)
 
 
-@torch.library.custom_op("altup_cupy::expand", mutates_args=())
+@operator("expand(Tensor embeddings, Tensor[] projections, float floor) -> (Tensor, Tensor)")
 def expand(embeddings: torch.Tensor, projections: list[torch.Tensor], floor: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
     streams, hidden = _validate_expand(embeddings, projections)
@@ -300,7 +307,8 @@ def _(embeddings, projections, floor):
             embeddings.new_empty((*embeddings.shape[:-1], streams - 1, hidden), dtype=_weight_grad_dtype(embeddings)))
 
 
-@torch.library.custom_op("altup_cupy::expand_backward", mutates_args=())
+@operator("expand_backward(Tensor grad_streams, Tensor embeddings, Tensor[] projections, Tensor projected, "
+          "float floor) -> (Tensor, Tensor[])")
 def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projections: list[torch.Tensor],
                     projected: torch.Tensor, floor: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     streams, hidden = _validate_expand(embeddings, projections)
@@ -335,7 +343,8 @@ def _validate_collapse(hidden_states, projections):
     return streams, hidden
 
 
-@torch.library.custom_op("altup_cupy::collapse_backward", mutates_args=())
+@operator("collapse_backward(Tensor grad_output, Tensor hidden_states, Tensor[] projections, "
+          "float floor) -> (Tensor, Tensor[])")
 def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, projections: list[torch.Tensor],
                       floor: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     streams, hidden = _validate_collapse(hidden_states, projections)

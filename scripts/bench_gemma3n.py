@@ -17,7 +17,7 @@ the same code:
 - `torch_compile`: torch.compile of `transformers_eager`.
 Plus one whole training step (forward, backward, AdamW) of a small Gemma3nForCausalLM with and
 without the patch. GPU time: CUDA events around each call, L2 flushed before it, median (the
-harness of altup_cupy.bench, the GPU's sleep before each call outlasting the call's host issue);
+harness of altup_cupy.lab.bench, the GPU's sleep before each call outlasting the call's host issue);
 wall time: host clock from issue to completion (synchronised), median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
 the test log next to them as gemma3n_gpu_tests.log.
 
@@ -47,8 +47,8 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 import altup_cupy.gemma3n as gemma3n  # noqa: E402
 from altup_cupy import gemma3n_kernels as kernels  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
-from altup_cupy._paths import results_dir  # noqa: E402
-from altup_cupy.bench import copy_floor, headstart_for, run_info, time_us, write_csv  # noqa: E402
+from altup_cupy.lab.bench import copy_floor, headstart_for, run_info, time_us, write_csv  # noqa: E402
+from altup_cupy.lab.paths import results_dir  # noqa: E402
 from altup_cupy.reference import gemma3n as ref  # noqa: E402
 from gemma3n_support import tiny_text_config  # noqa: E402
 from transformers.models.gemma3n import modeling_gemma3n as modeling  # noqa: E402

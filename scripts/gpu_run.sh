@@ -40,7 +40,7 @@ if ! gpu=$(python3 -c "import torch; assert torch.cuda.is_available(), 'torch se
   echo "gpu_run.sh: needs a CUDA GPU visible to torch (a CUDA build of torch; see README, 'Install')" >&2
   exit 2
 fi
-results=${ALTUP_RESULTS_DIR:-$(python3 -c "import sys; from altup_cupy._paths import results_dir; print(results_dir(sys.argv[1], '.'))" "$gpu")}
+results=${ALTUP_RESULTS_DIR:-$(python3 -c "import sys; from altup_cupy.lab.paths import results_dir; print(results_dir(sys.argv[1], '.'))" "$gpu")}
 mkdir -p "$results"
 echo "gpu_run.sh: $gpu -> $results"
 

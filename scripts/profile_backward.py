@@ -10,13 +10,15 @@ chosen version once to compile and warm up, then `--calls` more times (the ones 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
-from altup_cupy.benchmarks.predict_correct_backward import ARG_NAMES
 from altup_cupy import predict_correct_backward
-from altup_cupy.ops.predict_correct_backward_versions import v4_plan_override
-from altup_cupy.workloads import predict_correct_backward_inputs, workloads
+from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES
+from altup_cupy.lab.workloads import predict_correct_backward_inputs, workloads
+from altup_cupy.ops.predict_correct_backward import run_plan
+from altup_cupy.ops.predict_correct_backward_versions import v4_plan
 
 
 def main() -> None:
@@ -30,9 +32,11 @@ def main() -> None:
     w = next(w for w in workloads("predict_correct_backward", args.suite) if w.tokens == args.tokens)
     inputs = predict_correct_backward_inputs(w, 7, "cuda", "random")
     call_args = [inputs[k] for k in ARG_NAMES]
-    with v4_plan_override(args.stages):
-        for _ in range(1 + args.calls):
+    for _ in range(1 + args.calls):
+        if args.stages is None:
             predict_correct_backward(*call_args, inputs["active_idx"], inputs["eps"], version=args.version)
+        else:  # v4 with that many ring stages
+            run_plan(functools.partial(v4_plan, stages=args.stages), call_args, inputs["active_idx"], inputs["eps"])
     torch.cuda.synchronize()
     print(f"ran {w.label} version={args.version} stages={args.stages} x{1 + args.calls}")
 

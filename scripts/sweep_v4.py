@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import statistics
 import sys
 
 import torch
 
-from altup_cupy.bench import run_info, time_us
-from altup_cupy.benchmarks.predict_correct_backward import PREDICT_CORRECT_BACKWARD as BENCH, ARG_NAMES
 from altup_cupy import predict_correct_backward
-from altup_cupy.ops.predict_correct_backward_versions import v4_launch_plan, v4_plan_override, v4_stage_choices
-from altup_cupy.workloads import tolerance_report, workloads
+from altup_cupy.lab.bench import run_info, time_us
+from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES
+from altup_cupy.lab.benchmarks.predict_correct_backward import PREDICT_CORRECT_BACKWARD as BENCH
+from altup_cupy.lab.workloads import tolerance_report, workloads
+from altup_cupy.ops.predict_correct_backward import run_plan
+from altup_cupy.ops.predict_correct_backward_versions import v4_launch_plan, v4_plan, v4_stage_choices
 
 TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite
 
@@ -47,9 +50,10 @@ def main() -> int:
         default = v4_launch_plan(w.streams, w.hidden)
         candidates = [("v4", stages) for stages in v4_stage_choices(w.streams, w.hidden)] + [("v3", None)]
         for name, plan in candidates:
-            def call(plan=plan, version=4 if plan else 3):
-                with v4_plan_override(plan):
-                    return tuple(predict_correct_backward(*args_, a, eps, version=version))
+            def call(plan=plan):
+                if plan is None:
+                    return tuple(predict_correct_backward(*args_, a, eps, version=3))
+                return tuple(run_plan(functools.partial(v4_plan, stages=plan), args_, a, eps))
             outputs = call()
             torch.cuda.synchronize()
             reports = [tolerance_report(o, r, w.atol, w.rtol) for o, r in zip(outputs, reference)]

@@ -1,8 +1,9 @@
-"""Where the CLI reads and writes (altup_cupy._paths) and what it says when something is missing.
+"""Where the CLI reads and writes (altup_cupy.lab.paths) and what it says when something is missing.
 No GPU needed: on a machine without one, `bench` replays recorded results."""
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
@@ -10,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from altup_cupy import __main__ as altup_main
-from altup_cupy import _extras, _paths
+from altup_cupy import _extras
 from altup_cupy.__main__ import _gpu_of, main
 from altup_cupy._extras import MissingExtraError, require
+from altup_cupy.lab import paths
 from test_figures import write_synthetic
 
 
@@ -20,37 +22,37 @@ from test_figures import write_synthetic
                                        ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb"),
                                        ("  NVIDIA GeForce RTX 4090 ", "nvidia-geforce-rtx-4090")])
 def test_gpu_slug(name, slug):
-    assert _paths.gpu_slug(name) == slug
+    assert paths.gpu_slug(name) == slug
 
 
 def test_gpu_slug_rejects_a_name_without_letters():
     with pytest.raises(ValueError, match="gpu_name"):
-        _paths.gpu_slug(" -- ")
+        paths.gpu_slug(" -- ")
 
 
 def test_results_dir_is_per_gpu_under_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert _paths.results_dir("NVIDIA H200") == tmp_path / "results" / "nvidia-h200"
-    assert _paths.results_dir("NVIDIA L40S", "/data") == Path("/data/results/nvidia-l40s")
+    assert paths.results_dir("NVIDIA H200") == tmp_path / "results" / "nvidia-h200"
+    assert paths.results_dir("NVIDIA L40S", "/data") == Path("/data/results/nvidia-l40s")
 
 
 def test_the_checkout_records_the_h200():
-    assert _paths.REPO_ROOT is not None, "the tests run from a checkout"
-    assert _paths.RECORDED_RESULTS_DIR == _paths.REPO_ROOT / "results" / "nvidia-h200"
-    assert any(_paths.RECORDED_RESULTS_DIR.glob("bench_*.csv"))
-    assert _paths.figures_dir_for(_paths.RECORDED_RESULTS_DIR) == _paths.FIGURES_DIR
+    assert paths.REPO_ROOT is not None, "the tests run from a checkout"
+    assert paths.RECORDED_RESULTS_DIR == paths.REPO_ROOT / "results" / "nvidia-h200"
+    assert any(paths.RECORDED_RESULTS_DIR.glob("bench_*.csv"))
+    assert paths.figures_dir_for(paths.RECORDED_RESULTS_DIR) == paths.FIGURES_DIR
 
 
 def test_another_gpus_figures_stay_in_its_results_folder(tmp_path):
     other = tmp_path / "results" / "nvidia-a100"
-    assert _paths.figures_dir_for(other) == other.resolve() / "figures"
+    assert paths.figures_dir_for(other) == other.resolve() / "figures"
 
 
 def test_recorded_results_dirs_prefer_the_current_directory(tmp_path, monkeypatch):
     write_synthetic(tmp_path / "results" / "nvidia-l40s")
     (tmp_path / "results" / "empty-gpu").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert _paths.recorded_results_dirs() == [tmp_path / "results" / "nvidia-l40s"]
+    assert paths.recorded_results_dirs() == [tmp_path / "results" / "nvidia-l40s"]
 
 
 def test_bench_without_gpu_replays_a_results_folder(tmp_path, monkeypatch, capsys):
@@ -80,25 +82,36 @@ def test_gpu_of_reads_the_recorded_gpu(tmp_path):
     assert _gpu_of(tmp_path) == "NVIDIA H200"
 
 
+FIGURES_COMMAND = "pip install 'matplotlib>=3.8' 'pillow>=10'"
+
+
 def test_a_missing_extra_is_named_with_its_install_command():
-    checkout = _paths.REPO_ROOT
-    with pytest.raises(MissingExtraError, match=rf"altup_cupy_no_such_module is not installed; it comes with the "
-                                                rf"'figures' extra: pip install -e '{checkout}\[figures\]'$"):
+    with pytest.raises(MissingExtraError, match=rf"^altup_cupy_no_such_module is not installed; it comes with the "
+                                                rf"'figures' extra: {re.escape(FIGURES_COMMAND)}$"):
         require("altup_cupy_no_such_module", "figures")
     assert require("json", "figures").dumps([]) == "[]"
 
 
-def test_an_installed_copy_names_the_extras_requirements(monkeypatch):
-    """Without a checkout to install from, the command installs what the extra declares."""
-    monkeypatch.setattr(_paths, "REPO_ROOT", None)
-    assert _extras.install_command("figures") == "pip install 'matplotlib>=3.8' 'pillow>=10'"
-    assert _extras.install_command("nvrtc") == "pip install 'cuda-bindings<14,>=13' 'nvidia-cuda-nvrtc<14,>=13'"
+def test_the_install_command_is_the_extras_requirements(monkeypatch):
+    """What the installed package declares for the extra, the package's own extras expanded (it is
+    installed from a checkout, not from an index); a checkout run without installing gets the
+    editable install."""
+    assert _extras.install_command("figures") == FIGURES_COMMAND
+    nvrtc = "'cuda-bindings<14,>=13' 'nvidia-cuda-nvrtc<14,>=13'"
+    assert _extras.install_command("nvrtc") == f"pip install {nvrtc}"
+    assert _extras.install_command("gpu") == f"pip install 'cupy-cuda13x>=14' {nvrtc}"
+
+    def not_installed(distribution):
+        raise _extras.metadata.PackageNotFoundError(distribution)
+
+    monkeypatch.setattr(_extras.metadata, "requires", not_installed)
+    assert _extras.install_command("figures") == "pip install -e '.[figures]' in the checkout"
 
 
 def _one_line_naming(err: str, extra: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert f"it comes with the '{extra}' extra: pip install -e '{_paths.REPO_ROOT}[{extra}]'" in lines[0]
+    assert f"it comes with the '{extra}' extra: {_extras.install_command(extra)}" in lines[0]
     return lines[0]
 
 
@@ -118,8 +131,8 @@ def test_bench_replay_names_the_extra_when_matplotlib_is_missing(tmp_path, monke
 
 
 def test_bench_names_the_extra_when_tqdm_is_missing(monkeypatch):
-    from altup_cupy import bench
-    from altup_cupy.benchmarks import op_bench
+    from altup_cupy.lab import bench
+    from altup_cupy.lab.benchmarks import op_bench
 
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import tqdm.auto -> ModuleNotFoundError
     with pytest.raises(MissingExtraError, match="tqdm is not installed; it comes with the 'bench' extra"):
@@ -144,3 +157,20 @@ def test_check_without_nvrtc_says_so_once(monkeypatch, capsys, missing_part):
     out, err = capsys.readouterr()
     assert out == ""
     assert _one_line_naming(err, "nvrtc").startswith(f"python -m altup_cupy check: {what}")
+
+
+def test_bench_model_suite_passes_its_arguments_through(tmp_path, monkeypatch):
+    from altup_cupy.lab import gemma3n_model
+
+    received = []
+    monkeypatch.setattr(gemma3n_model, "main", lambda argv: received.append(argv) or 0)
+    assert main(["bench", "--suite", "gemma3n-model", "--config", "tiny", "--device", "cpu", "--reps", "2",
+                 "--results-dir", str(tmp_path)]) == 0
+    assert received == [["--config", "tiny", "--device", "cpu", "--reps", "2", "--out",
+                         str(tmp_path / "gemma3n_model.csv")]]
+
+
+def test_bench_refuses_unknown_arguments_of_the_kernel_suites(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--suite", "benchmark", "--config", "tiny"])
+    assert "unrecognized arguments: --config tiny" in capsys.readouterr().err

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from altup_cupy import _cublas, _sources, collapse
-from altup_cupy._launch import PackedLaunch
-from altup_cupy.check import oracle_bound
+from altup_cupy.lab.check import oracle_bound
+from altup_cupy.lab.workloads import benchmark_workloads, collapse_inputs, tolerance_report
 from altup_cupy.ops import collapse_versions
+from altup_cupy.ops.collapse_epilogue import epilogue_v1
 from altup_cupy.reference import collapse_reference
-from altup_cupy.workloads import benchmark_workloads, collapse_inputs, tolerance_report
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ def _exact_fp32_matmul():
 
 
 def _inputs(n, b, s, h, seed, eps=EPS):
-    from altup_cupy.workloads import Workload
+    from altup_cupy.lab.workloads import Workload
 
     return collapse_inputs(Workload("collapse", n, h, b, s, ATOL, RTOL, eps), seed)
 
@@ -204,9 +204,7 @@ def test_epilogue_kernel_writes_every_output_element(seeds):
     y = torch.stack([x64[k].reshape(rows, h) @ ws[k - 1].to(torch.float64).T for k in range(1, n)])
     y32 = y.to(torch.float32).contiguous()
     out = torch.full((b, s, h), float("nan"), dtype=BF16, device="cuda")
-    chunks, threads = collapse_versions.epilogue_launch_shape(n, h)
-    kernel = _sources.COLLAPSE_V1.kernel(f"collapse_epilogue_v1<{n}, {chunks}>")
-    launch = PackedLaunch(kernel, threads, 0, ("ptr", "ptr", "ptr", "i32", "i64", "f32"))
+    launch = epilogue_v1(n, h)
     launch(torch.cuda.current_stream().cuda_stream, rows, hs.data_ptr(), y32.data_ptr(), out.data_ptr(),
            h, rows, EPS)
     torch.cuda.synchronize()

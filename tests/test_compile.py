@@ -16,8 +16,9 @@ import re
 import pytest
 
 import altup_cupy
-from altup_cupy._build import KERNELS_DIR, KernelSource, compile_all, compile_offline, demangle, offline_targets
+from altup_cupy._build import KERNELS_DIR, KernelSource, compile_offline
 from altup_cupy._sources import ALL_SOURCES, PREDICT_CORRECT_BACKWARD_V4
+from altup_cupy.lab.compile_report import compile_all, demangle, offline_targets
 
 TARGETS = offline_targets(ALL_SOURCES)
 MAX_CU_LINES = 600

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from altup_cupy import _paths
+from altup_cupy.lab import paths
 
-ROOT = _paths.REPO_ROOT
+ROOT = paths.REPO_ROOT
 # A path relative to the repository root, as the documents write one: under a top-level folder
 # (`altup_cupy/ops/collapse.py`, `results/<gpu name>/`, `tests/test_<op>.py`) or a top-level file.
 CITED_PATH = re.compile(r"(?<![\w/.<-])((?:altup_cupy|scripts|tests|docs|results|notebooks|figures|\.ci)/[\w./<>*-]*"

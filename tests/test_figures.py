@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from altup_cupy import figures, report
-from altup_cupy._paths import FIGURES_DIR, RECORDED_RESULTS_DIR
-from altup_cupy.bench import CSV_COLUMNS, csv_path, read_csv
-from altup_cupy.benchmarks import collapse as collapse_bench
-from altup_cupy.benchmarks import predict_correct_backward as backward_bench
-from altup_cupy.ceilings import H200
-from altup_cupy.workloads import Workload
+from altup_cupy.lab import figures, report
+from altup_cupy.lab.bench import CSV_COLUMNS, csv_path, read_csv
+from altup_cupy.lab.benchmarks import collapse as collapse_bench
+from altup_cupy.lab.benchmarks import predict_correct_backward as backward_bench
+from altup_cupy.lab.ceilings import H200
+from altup_cupy.lab.paths import FIGURES_DIR, RECORDED_RESULTS_DIR
+from altup_cupy.lab.workloads import Workload
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000
@@ -290,7 +290,7 @@ def test_markdown_tables_and_readme_markers(synthetic, tmp_path):
 def _with_versions(synthetic) -> list[dict]:
     """The synthetic backward rows plus an earlier version of ours at twice the default's time."""
     rows = figures.parse_rows(
-        __import__("altup_cupy.bench", fromlist=["read_csv"]).read_csv(
+        __import__("altup_cupy.lab.bench", fromlist=["read_csv"]).read_csv(
             csv_path("predict_correct_backward", "benchmark", synthetic)))
     older = [dict(r, impl="altup_cupy_v1", median_us=2 * r["median_us"]) for r in rows if r["impl"] == "altup_cupy"]
     return rows + older

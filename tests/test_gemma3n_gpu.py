@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error:altup_cupy.gemm
 modeling = transformers_gemma3n()
 import altup_cupy.gemma3n as gemma3n  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
+from altup_cupy.lab.workloads import tolerance_report  # noqa: E402
 from altup_cupy.reference import gemma3n as ref  # noqa: E402
-from altup_cupy.workloads import tolerance_report  # noqa: E402
 
 STREAMS = 4
 HIDDENS = (2048, 2560)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from altup_cupy import notebook_support as nbs
+from altup_cupy.lab import notebook_support as nbs
 
 NCU_REPORT = """==PROF== Profiling "kernel_a": 0%....50%....100% - 10 passes
 ran N3_H2304_B1_S256 version=None x1

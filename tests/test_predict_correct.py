@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from altup_cupy import predict_correct_backward
-from altup_cupy.ops.predict_correct_backward_versions import (VERSIONS, v4_plan_override, v4_stage_choices,
-                                                               v4_supported)
-from altup_cupy.benchmarks.predict_correct_backward import ARG_NAMES, eager_fp32
-from altup_cupy.check import oracle_bound
+from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES, eager_fp32
+from altup_cupy.lab.check import oracle_bound
+from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
+from altup_cupy.ops.predict_correct_backward import run_plan
+from altup_cupy.ops.predict_correct_backward_versions import VERSIONS, v4_plan, v4_stage_choices, v4_supported
 from altup_cupy.reference import predict_correct_backward_reference
-from altup_cupy.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
 
 pytestmark = pytest.mark.gpu
 
@@ -114,8 +116,7 @@ def test_v4_every_stage_count(n, h, stages, seeds):
     times (both mbarrier phases), with a ragged last round of tokens."""
     w = _small(n, h, 7, 311, a=1)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
-    with v4_plan_override(stages):
-        out = predict_correct_backward(*_args(inputs), 1, inputs["eps"], version=4)
+    out = run_plan(functools.partial(v4_plan, stages=stages), _args(inputs), 1, inputs["eps"])
     check_against_reference(w, inputs, out)
 
 

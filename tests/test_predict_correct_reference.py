@@ -14,7 +14,7 @@ from altup_cupy.reference import (
     predict_correct_backward_stages,
     predict_correct_forward,
 )
-from altup_cupy.workloads import Workload, predict_correct_backward_inputs
+from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs
 
 CASES = [  # N, H, active_idx, norm_weight, B, S
     (3, 40, 0, "ones", 2, 3),

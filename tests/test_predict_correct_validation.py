@@ -10,11 +10,11 @@ import torch
 
 from altup_cupy import _sources, predict_correct_backward
 from altup_cupy._build import KERNELS_DIR
+from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs
 from altup_cupy.ops.predict_correct_backward_versions import (MAIN_ARGS, PREFERENCE, V5_EXTRA_ARGS, VERSIONS,
                                                                v4_launch_plan, v4_supported, v5_group_size,
                                                                v5_ticket_count)
 from altup_cupy.reference import predict_correct_backward_reference
-from altup_cupy.workloads import Workload, predict_correct_backward_inputs
 
 N, B, S, H = 3, 2, 3, 16
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from altup_cupy.lab.workloads import MIN_MATCH_RATIO, tolerance_report
 from altup_cupy.reference import collapse_reference
-from altup_cupy.workloads import MIN_MATCH_RATIO, tolerance_report
 
 
 def collapse_rowwise_numpy(hs: np.ndarray, ws: list[np.ndarray], eps: float) -> np.ndarray:

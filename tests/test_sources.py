@@ -125,3 +125,27 @@ def test_default_dispatch_capability_follows_the_cap(monkeypatch):
         monkeypatch.setenv(_device.DISPATCH_CAP_VARIABLE, bad)
         with pytest.raises(ValueError, match=f"ALTUP_MAX_COMPUTE_CAPABILITY must be .* got '{bad}'"):
             _device.default_dispatch_capability(90)
+
+
+def test_every_gemma3n_kernel_instance_is_compiled():
+    """Every instantiation a Gemma 3n launcher can ask for is a name expression of its registry
+    entry's source (`KernelSource.kernel` refuses any other), and its argument types exist."""
+    from altup_cupy import gemma3n_kernels
+    from altup_cupy._launch import ARG_CODES
+
+    streams = _sources.SUPPORTED_STREAMS
+    params = {
+        "predict_forward": [(n, a) for n in streams for a in range(n)],
+        "predict_backward": [(n, a) for n in streams for a in range(n)],
+        "correct_forward": [(n, a) for n in streams for a in range(n)],
+        "correct_backward": [(n, a) for n in streams for a in range(n)],
+        "router_grads": [(n,) for n in streams],
+        "expand_forward": [(n,) for n in streams],
+        "magnitude_match_backward": [(n, t) for n in streams for t in ("float", "unsigned short")],
+    }
+    assert params.keys() == gemma3n_kernels.KERNELS.keys()
+    for step, entry in gemma3n_kernels.KERNELS.items():
+        assert entry.source in ALL_SOURCES, step
+        assert set(entry.arg_types) <= ARG_CODES.keys(), step
+        missing = [p for p in params[step] if entry.instance(p) not in entry.source.name_expressions]
+        assert not missing, f"{step}: {entry.source.filename} does not compile {missing}"

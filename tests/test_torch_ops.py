@@ -14,10 +14,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import altup_cupy
+from altup_cupy.lab.workloads import Workload, collapse_inputs, predict_correct_backward_inputs
 from altup_cupy.ops.collapse_versions import VERSIONS as COLLAPSE_VERSIONS
 from altup_cupy.ops.predict_correct_backward import INPUT_NAMES
 from altup_cupy.ops.predict_correct_backward_versions import VERSIONS as BACKWARD_VERSIONS
-from altup_cupy.workloads import Workload, collapse_inputs, predict_correct_backward_inputs
 
 BF16, F32 = torch.bfloat16, torch.float32
 

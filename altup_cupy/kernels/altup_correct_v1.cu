@@ -8,7 +8,8 @@
 //   gk_i = <g_i, x> - <g_i, pred_a>;  gd = sum_i k_i g_i;  grad_pred_i = g_i - [i == a] gd
 //   grad_x = gd + route_backward(x, Q^T gk)
 //   partial layout per block: S [N, H] (S_nd = sum_t r gz_n x_d) | dQ [N*N] (sum_t gk_i m_l);
-//   the host finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale)
+//   altup_router_grads_v1 sums the partials in block order and finishes dR = s w S,
+//   dw = s sum_n R_n S_n (s: the router's input scale)
 // Only the active prediction row is read in the backward: the other rows do not reach a gradient.
 #include "common.cuh"
 #include "altup_rows.cuh"
@@ -55,7 +56,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
 }
 
 template <int N, int A>
-__global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
+__global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward_v1(
     const unsigned short* __restrict__ grad_corrected,    // [N, M, H] bf16
     const unsigned short* __restrict__ predictions,       // [N, M, H] bf16 (row A read)
     const unsigned short* __restrict__ activated,         // [M, H] bf16
@@ -75,7 +76,8 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
     const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
     const long long plane = tokens * hidden;
 
-    float S[N][kVec] = {};
+    extern __shared__ float S[];  // N * H floats (altup_rows.cuh)
+    clear_weight_sums<N>(S, slice, hidden);
     float dQ = 0.0f;  // thread e < N^2 owns dQ entry e = N*i + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
         float g[N][kVec], x[kVec], pred_a[kVec];
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
             sums[1 + N + i] = dot8(g[i], x);
             sums[1 + 2 * N + i] = dot8(g[i], pred_a);
         }
-        block_sum(sums, scratch);
+        block_sum_spread(sums, scratch);
         const float* Ac = sums + 1;
         const RouterScalars<N> route(sums[0], Ac, hidden, eps, router_scale);
 
@@ -128,15 +130,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_backward_v1(
 #pragma unroll
         for (int e = 0; e < kVec; ++e) gx[e] += gd[e];
         slice.store(grad_activated + t * hidden, gx);
-#pragma unroll
-        for (int n = 0; n < N; ++n) {
-            const float scale = route.r * gz[n];
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) S[n][e] = fmaf(scale, x[e], S[n][e]);
-        }
+        accumulate_weight_sums<N>(S, slice, hidden, route.r, gz, x);
     }
-    float* partial = partials + blockIdx.x * partial_stride;
-#pragma unroll
-    for (int n = 0; n < N; ++n) slice.store(partial + static_cast<long long>(n) * hidden, S[n]);
-    if (threadIdx.x < N * N) partial[static_cast<long long>(N) * hidden + threadIdx.x] = dQ;
+    store_weight_partials<N, N * N>(S, dQ, slice, partials, partial_stride, hidden);
 }

@@ -4,13 +4,13 @@
 //
 // Forward: one block per token; reads the N rows once, writes the N predictions once.
 // Backward: a fixed grid of blocks walks the tokens (block b: tokens b, b + grid, ...), so every
-// block's weight-gradient partial sums its tokens in a fixed order; altup_column_sum_v1 then sums
+// block's weight-gradient partial sums its tokens in a fixed order; altup_router_grads_v1 then sums
 // the partials in block order: bitwise deterministic. Per token, ONE block reduction gives every
 // dot product the step needs (<h_a, h_a>, A_n = sum_d R_nd w_d h_a,d, G_ij = <g_i, h_j>):
 //   dC = G;  gm_p = P^T dC;  grad_h_j = g_j + sum_i C_ij g_i + [j == a] route_backward(h_a, gm_p)
 //   partial layout per block: S [N, H] (S_nd = sum_t r gz_n h_a,d) | dP [N*N*N] (sum_t G_ij m_l)
 //   (S accumulates in N * H floats of dynamic shared memory)
-// and the host finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
+// and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
 // active index A is a template argument so that every row array is indexed by constants
 // (registers, no local memory).
 #include "common.cuh"
@@ -57,17 +57,8 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     }
 }
 
-// Registers decide how many blocks share an SM, and one block is too few to keep the memory busy.
-// On sm_90 the backward fits 128 registers with no spills, so two blocks of 256 threads (H = 2048)
-// share an SM; the sm_8x compilers spill a few bytes under that cap, so there it stays uncapped.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PREDICT_BACKWARD_BOUNDS __maxnreg__(128)
-#else
-#define PREDICT_BACKWARD_BOUNDS __launch_bounds__(kRowThreadsMax)
-#endif
-
 template <int N, int A>
-__global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(
+__global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward_v1(
     const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
     const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
     const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
@@ -80,21 +71,14 @@ __global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(
     constexpr int kSums = 1 + N + N * N;
     __shared__ float scratch[32 * kSums];
     __shared__ float P[N * N * N];
+    __shared__ float coefs[N * N + N];  // this token's C + I, then gm
     load_small_matrix(prediction_coefs, P, N * N * N);
     const RowSlice slice(hidden);
     const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
     const long long plane = tokens * hidden;
 
-    // S lives in shared memory (dynamic, N * H floats): in registers it would spill at N = 4.
-    // Each thread touches only its own slice, so no barrier guards it.
-    extern __shared__ float S[];
-    if (slice.active) {
-#pragma unroll
-        for (int n = 0; n < N; ++n) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) S[n * hidden + slice.d0 + e] = 0.0f;
-        }
-    }
+    extern __shared__ float S[];  // N * H floats (altup_rows.cuh)
+    clear_weight_sums<N>(S, slice, hidden);
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
         // Registers bound the blocks per SM, so a thread never holds all 2N rows: the N rows of h
@@ -114,13 +98,31 @@ __global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(
 #pragma unroll
             for (int j = 0; j < N; ++j) sums[1 + N + N * i + j] = dot8(g, h[j]);
         }
-        block_sum(sums, scratch);
+        block_sum_spread(sums, scratch);
         const float* Ap = sums + 1;
         const float* G = sums + 1 + N;
         const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);
 
+        // N^2 threads form this token's C_ij + [i == j] and N more gm = P^T G, once for the
+        // block: every thread then reads N^2 + N numbers, where forming them itself read P 2 N^3
+        // times (the kernel is bound by its loads, not its arithmetic).
+        if (threadIdx.x < N * N) {
+            const int e = threadIdx.x;  // N * i + j
+            float c = (e / N == e % N) ? 1.0f : 0.0f;
+#pragma unroll
+            for (int l = 0; l < N; ++l) c = fmaf(P[e * N + l], route.m[l], c);
+            coefs[e] = c;
+        } else if (threadIdx.x < N * N + N) {
+            const int l = threadIdx.x - N * N;
+            float sum = 0.0f;
+#pragma unroll
+            for (int r = 0; r < N * N; ++r) sum = fmaf(P[r * N + l], G[r], sum);
+            coefs[N * N + l] = sum;
+        }
+        __syncthreads();
         float gm[N];
-        transposed_matrix_vector<N * N, N>(P, G, gm);
+#pragma unroll
+        for (int l = 0; l < N; ++l) gm[l] = coefs[N * N + l];
         float gz[N], alpha[N];
         const float beta = route.backward(gm, Ap, router_scale, gz, alpha);
         // constant indices only (a register array indexed by threadIdx would go to local memory)
@@ -141,33 +143,13 @@ __global__ void PREDICT_BACKWARD_BOUNDS altup_predict_backward_v1(
             for (int i = 0; i < N; ++i) {
                 float g[kVec];
                 slice.load_reused(grad_predictions + i * plane + t * hidden, g);
-                float c = (i == j) ? 1.0f : 0.0f;
-#pragma unroll
-                for (int l = 0; l < N; ++l) c = fmaf(P[(N * i + j) * N + l], route.m[l], c);
+                const float c = coefs[N * i + j];
 #pragma unroll
                 for (int e = 0; e < kVec; ++e) out[e] = fmaf(c, g[e], out[e]);
             }
             slice.store(grad_hidden_states + j * plane + t * hidden, out);
         }
-        if (slice.active) {
-#pragma unroll
-            for (int n = 0; n < N; ++n) {
-                const float scale = route.r * gz[n];
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    float& s = S[n * hidden + slice.d0 + e];
-                    s = fmaf(scale, h[A][e], s);
-                }
-            }
-        }
+        accumulate_weight_sums<N>(S, slice, hidden, route.r, gz, h[A]);
     }
-    float* partial = partials + blockIdx.x * partial_stride;
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-        float row[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) row[e] = slice.active ? S[n * hidden + slice.d0 + e] : 0.0f;
-        slice.store(partial + static_cast<long long>(n) * hidden, row);
-    }
-    if (threadIdx.x < N * N * N) partial[static_cast<long long>(N) * hidden + threadIdx.x] = dP;
+    store_weight_partials<N, N * N * N>(S, dP, slice, partials, partial_stride, hidden);
 }

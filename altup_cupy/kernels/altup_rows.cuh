@@ -7,9 +7,19 @@
 #pragma once
 
 // H <= 8 * kRowThreadsMax (3072: Gemma 3n has 2048 and 2560): launch bounds of 384 threads leave
-// 168 registers a thread, room for the backward kernels at N = 4 (the predict backward caps itself
-// lower on sm_90: altup_predict_v1.cu).
+// 168 registers a thread, room for the backward kernels at N = 4 (which cap themselves lower on
+// sm_90: ROUTED_BACKWARD_BOUNDS).
 constexpr int kRowThreadsMax = ALTUP_ROW_THREADS_MAX;
+
+// The predict and correct backwards: registers decide how many blocks share an SM, and one block
+// is too few to keep the memory busy. On sm_90 both fit 128 registers with no spills, so two
+// blocks of 256 threads (H = 2048) share an SM; the sm_8x compilers spill a few bytes under that
+// cap, so there the kernels stay uncapped.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ROUTED_BACKWARD_BOUNDS __maxnreg__(128)
+#else
+#define ROUTED_BACKWARD_BOUNDS __launch_bounds__(kRowThreadsMax)
+#endif
 
 struct RowSlice {
     long long d0;  // first element of this thread's slice
@@ -147,4 +157,51 @@ __device__ __forceinline__ void load_small_matrix(const unsigned short* src, flo
         dst[i] = __uint_as_float(static_cast<unsigned int>(src[i]) << 16);
     }
     __syncthreads();
+}
+
+// The backwards' router weight-gradient sums S [N, H] (S_nd = sum over the block's tokens of
+// r gz_n x_d, x the routed row) live in N * H floats of dynamic shared memory: in registers they
+// would spill at N = 4. Each thread touches only its own slice, so no barrier guards them.
+template <int N>
+__device__ __forceinline__ void clear_weight_sums(float* S, const RowSlice& slice, const int hidden) {
+    if (!slice.active) return;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) S[n * hidden + slice.d0 + e] = 0.0f;
+    }
+}
+
+// One token's share: S_n += r gz_n x.
+template <int N>
+__device__ __forceinline__ void accumulate_weight_sums(float* S, const RowSlice& slice, const int hidden,
+                                                       const float r, const float (&gz)[N],
+                                                       const float (&x)[kVec]) {
+    if (!slice.active) return;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const float scale = r * gz[n];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+            float& s = S[n * hidden + slice.d0 + e];
+            s = fmaf(scale, x[e], s);
+        }
+    }
+}
+
+// The block's partial row: S, then COEFS coefficient-gradient entries (thread e < COEFS holds
+// entry e in coef_grad).
+template <int N, int COEFS>
+__device__ __forceinline__ void store_weight_partials(const float* S, const float coef_grad, const RowSlice& slice,
+                                                      float* partials, const long long partial_stride,
+                                                      const int hidden) {
+    float* partial = partials + blockIdx.x * partial_stride;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        float row[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) row[e] = slice.active ? S[n * hidden + slice.d0 + e] : 0.0f;
+        slice.store(partial + static_cast<long long>(n) * hidden, row);
+    }
+    if (threadIdx.x < COEFS) partial[static_cast<long long>(N) * hidden + threadIdx.x] = coef_grad;
 }

@@ -91,6 +91,33 @@ __device__ __forceinline__ float warp_sum_spread(float (&v)[NV]) {
     return v[0];
 }
 
+__host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }
+
+// block_sum for many values (the backwards' Gram products): each warp sums its NV values with
+// warp_sum_spread (next_pow2(NV) - 1 shuffles where block_sum spends 5 NV), then every warp adds
+// the warps' partials of value l in lane l, in warp order, and hands the NV totals round (NV
+// shuffles where block_sum spends 5 NV more). Fixed order: bitwise reproducible. scratch holds
+// 32 * NV floats.
+template <int NV>
+__device__ __forceinline__ void block_sum_spread(float (&v)[NV], float* scratch) {
+    constexpr int kPow2 = next_pow2(NV);
+    static_assert(kPow2 <= 32, "at most 32 values");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    float padded[kPow2];
+#pragma unroll
+    for (int i = 0; i < kPow2; ++i) padded[i] = i < NV ? v[i] : 0.0f;
+    const float warp_total = warp_sum_spread<kPow2>(padded);  // lane l: value l % kPow2
+    __syncthreads();  // an earlier call may still be reading scratch
+    if (lane < NV) scratch[lane * 32 + warp] = warp_total;
+    __syncthreads();
+    float total = 0.0f;
+    if (lane < NV) {
+        for (int w = 0; w < warps; ++w) total += scratch[lane * 32 + w];
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) v[i] = __shfl_sync(0xffffffffu, total, i);
+}
+
 // y = M x + init (init added to every entry) for a row-major ROWS x COLS fp32 matrix: one fmaf per
 // term, in column order, so the kernels that form C = P m or k = Q m + 1 all round alike.
 template <int ROWS, int COLS>
@@ -118,4 +145,3 @@ __device__ __forceinline__ void transposed_matrix_vector(const float* __restrict
     }
 }
 
-__host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }

@@ -6,6 +6,7 @@
     python -m altup_cupy.lab.gemma3n_model --config mini --modes compile --shapes 1x256 --patched 1
     python -m altup_cupy.lab.gemma3n_model --config e2b --time-limit-s 540 --resume   # run it again to go on
     python -m altup_cupy.lab.gemma3n_model --device cpu --config tiny     # the CPU smoke path (tests)
+    python -m altup_cupy bench --suite gemma3n-model --config mini         # the same, through the CLI
 
 Models (random weights, nothing downloaded; patched and unpatched built from the same seed, so
 their weights are identical; one model on the device at a time):
@@ -38,7 +39,7 @@ each case finishes, so a run cut short keeps its rows and several invocations ca
   transformers' own code;
 - gpu_ms: the GPU's time for one step, median of --reps: CUDA events around the step, the L2
   flushed before it, the GPU kept asleep until the host has issued the whole step (the harness of
-  altup_cupy.bench with a sleep sized by `headstart_for` to outlast the step's host issue), so
+  altup_cupy.lab.bench with a sleep sized by `headstart_for` to outlast the step's host issue), so
   launch and Python overhead stay out. Where a step synchronises the host with the GPU (transformers'
   eager activation-sparsity layers copy a scalar to the device, which waits for the GPU), the host's
   issue after that point is not hidden; the run prints how many such points a step has;
@@ -278,7 +279,7 @@ def measure(model: torch.nn.Module, task: str, mode: str, batch: int, seq: int, 
             step()
         return Measurement(None, _wall_ms(step, reps, cuda=False), None, None)
 
-    from ..bench import headstart_for, time_us
+    from .bench import headstart_for, time_us
 
     # The warm-up compiles (first calls) and records CUDA graphs (reduce-overhead's second or third
     # call): its peak is the graphs' memory, which replays never allocate again.
@@ -458,8 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
     from .._extras import require
-    from .._paths import results_dir
-    from ..bench import run_info
+    from .bench import run_info
+    from .paths import results_dir
 
     tqdm = require("tqdm.auto", "bench", "tqdm").tqdm
     import transformers

@@ -1,4 +1,5 @@
-"""What every op's version registry holds: numbered kernel versions and how to pick one.
+"""What the ops share: numbered kernel versions, how one is picked for a call, and which calls
+skip torch's dispatcher.
 
 A version names the kernel sources it launches (their minimum compute capability is the
 version's), says which shapes it serves, and builds a launch plan for one shape. The dispatcher,
@@ -8,8 +9,13 @@ file, its `KernelSource` in `_sources.py`, and one `Version` entry.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .. import _device
 
 
 @dataclass(frozen=True)
@@ -53,3 +59,33 @@ def pick(versions: Mapping[int, Version], preference: Sequence[int], requested: 
         if versions[number].runs_on(compute_capability, streams, hidden):
             return versions[number]
     raise ValueError(f"no version serves N = {streams}, H = {hidden} on {device_name}")
+
+
+def picker(versions: Mapping[int, Version],
+           preference: Sequence[int]) -> Callable[[int | None, int, int, int], Version]:
+    """`version(requested, streams, hidden, device index)`: the version that serves a call, picked
+    once per shape and device (`pick` on the device's compute capability; the default choice under
+    ALTUP_MAX_COMPUTE_CAPABILITY's cap). Each version caches its own plans."""
+    @functools.lru_cache(maxsize=256)
+    def version(requested: int | None, streams: int, hidden: int, index: int) -> Version:
+        capability, name = _device.facts(index)
+        if requested is None:
+            capability = _device.default_dispatch_capability(capability)
+        return pick(versions, preference, requested, capability, streams, hidden, name)
+    return version
+
+
+# Tensor subclasses (fake, functional, user subclasses) go through the dispatcher, which knows them.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def fast_path_applies(tensors: Sequence[torch.Tensor]) -> bool:
+    """Eager CUDA tensors with no autograd to record and no tracing: the dispatcher adds nothing,
+    so the public function may hand them straight to the kernels."""
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if not t.is_cuda or (grad and t.requires_grad) or type(t) not in _PLAIN_TENSORS:
+            return False
+    return True

@@ -9,7 +9,6 @@ Python layers (the result is the same kernels' on the same stream).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from .. import _arrays, _device
 from ..reference import collapse_reference
 from . import _registry
+from ._registry import fast_path_applies
 from .collapse_versions import PREFERENCE, VERSIONS
 
 BF16 = torch.bfloat16
@@ -52,7 +52,13 @@ def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
     return streams, batch, seq, hidden, device, eps
 
 
-def _run_cuda(hidden_states, unembed_projs, eps, version):
+# The version that serves a call, picked once per shape (it caches its own plans).
+_version = _registry.picker(VERSIONS, PREFERENCE)
+
+
+def _run_cuda(hidden_states, unembed_projs, eps, version, fast_path=False):
+    """fast_path: called by the public function, outside torch's dispatcher: scratch memory is
+    reused (see _scratch)."""
     streams, batch, seq, hidden, device, eps = validate(hidden_states, unembed_projs, eps, launching=True)
     out = torch.empty((batch, seq, hidden), dtype=BF16, device=device)
     rows = batch * seq
@@ -61,17 +67,8 @@ def _run_cuda(hidden_states, unembed_projs, eps, version):
     index = device.index
     stacked = unembed_projs[0].dim() == 3
     plan = _version(version, streams, hidden, index).plan(streams, rows, hidden, stacked, index)
-    plan(hidden_states, unembed_projs, out, eps, torch._C._cuda_getCurrentRawStream(index))
+    plan(hidden_states, unembed_projs, out, eps, torch._C._cuda_getCurrentRawStream(index), fast_path)
     return out
-
-
-@functools.lru_cache(maxsize=256)
-def _version(version, streams: int, hidden: int, index: int):
-    """The version that serves this call, picked once per shape (it caches its own plans)."""
-    capability, name = _device.facts(index)
-    if version is None:
-        capability = _device.default_dispatch_capability(capability)
-    return _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
 
 
 @torch.library.custom_op("altup_cupy::collapse", mutates_args=(), device_types="cuda")
@@ -95,21 +92,6 @@ def _collapse_fake(hidden_states, unembed_projs, eps, version=None):
     streams, batch, seq, hidden, device, _ = validate(hidden_states, unembed_projs, eps)
     _registry.check_number(VERSIONS, version)
     return hidden_states.new_empty((batch, seq, hidden))
-
-
-# Tensor subclasses (fake, functional, user subclasses) go through the dispatcher, which knows them.
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def _fast_path_applies(tensors: Sequence[torch.Tensor]) -> bool:
-    """Eager CUDA tensors with no autograd to record and no tracing: the dispatcher adds nothing."""
-    if torch.compiler.is_compiling():
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if not t.is_cuda or (grad and t.requires_grad) or type(t) not in _PLAIN_TENSORS:
-            return False
-    return True
 
 
 def collapse(hidden_states: Any, unembed_projs: Sequence[Any] | Any, eps: float = 1e-5, *,
@@ -136,9 +118,9 @@ def collapse(hidden_states: Any, unembed_projs: Sequence[Any] | Any, eps: float 
     eps = _arrays.positive_finite("eps", eps)
     _registry.check_number(VERSIONS, version)
     if not cupy_in:
-        if _fast_path_applies([hs, *weights]):
+        if fast_path_applies([hs, *weights]):
             with _device.on(hs.device):
-                return _run_cuda(hs, weights, eps, version)
+                return _run_cuda(hs, weights, eps, version, fast_path=True)
         return torch.ops.altup_cupy.collapse(hs, weights, eps, version)
     with _arrays.cupy_caller_stream(hs.device):
         return _arrays.to_cupy(_run_cuda(hs, weights, eps, version))

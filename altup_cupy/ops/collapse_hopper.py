@@ -1,51 +1,43 @@
 """The collapse forward on Hopper (sm_90a): the projections by this package's own GEMM.
 
-v2: `collapse_gemm_sm90<false>` (kernels/collapse_v2.cu) computes y_k = x_k @ W_k^T for all N-1
-streams in one persistent launch (TMA tile loads into a 4-stage shared-memory ring, wgmma on two
-consumer warpgroups, a producer warpgroup); when M is small the K dimension is split so that
-every SM streams its share of the weights, and `collapse_split_sum` adds the splits' fp32
-partials in a fixed order. The magnitude epilogue is v1's (`collapse_epilogue_v1`).
-v3: the same GEMM (`collapse_gemm_sm90<true>`) also writes each row's sum of squares per column
+v2: `collapse_gemm_sm90<0>` (kernels/collapse_gemm_sm90.cuh, instantiated by collapse_v2.cu)
+computes y_k = x_k @ W_k^T for all N-1 streams in one persistent launch (TMA tile loads into a
+4-stage shared-memory ring, wgmma on two consumer warpgroups, a producer warpgroup); when M is
+small the K dimension is split so that every SM streams its share of the weights, and
+`collapse_split_sum` adds the splits' fp32 partials in a fixed order. The magnitude epilogue is
+v1's (`collapse_epilogue_v1`).
+v3: `collapse_gemm_sm90<1>` (collapse_v3.cu) also writes each row's sum of squares per column
 tile from its fp32 accumulators (fixed order, no atomics), so `collapse_epilogue_v3` needs no
-reduction over y_k and reads it once, streamed. It applies when K is not split (M large enough
-to fill the GPU with output tiles); otherwise collapse_v3 is collapse_v2.
-v4: `collapse_gemm_sm90<2>` orders the units row block first and counts each row block's finished
-units; the CTA that finishes the last one applies the normalisation to those 128 rows while their
-y_k are still in L2 and writes the bf16 output (one launch, no epilogue pass over HBM). Same
-K-split rule as v3.
+reduction over y_k and reads it once, streamed. It applies when K is not split (M large enough to
+fill the GPU with output tiles); otherwise v3 runs v2's kernels.
+v4: `collapse_gemm_sm90<2>` (collapse_v4.cu) orders the units row block first and counts each row
+block's finished units; the CTA that finishes the last one applies the normalisation to those 128
+rows while their y_k are still in L2 and writes the bf16 output (one launch, no epilogue pass over
+HBM). Same K-split rule as v3.
 
-The kernels are launched through the CUDA driver (cuda-bindings) because their parameter is one
-struct holding the TMA tensor maps (`CollapseGemmParams`), passed by value. Launchers take torch
-CUDA tensors and a raw CUDA stream handle; per-shape plans, tensor maps and workspaces are cached.
+The GEMM's one parameter is a struct passed by value (`CollapseGemmParams`, holding the TMA tensor
+maps), packed by `_launch.PackedLaunch` like any other argument list. A `HopperPlan` is built once
+per shape and takes inputs the op has validated (ops/collapse.py). A tensor map holds its matrix's
+address, so a plan keeps the maps of the last call's hidden states and of its weights and encodes
+new ones only when an address changes (weights keep theirs from call to call).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
-import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from .. import _arrays, _device, _sources
-from .._build import KernelSource, compile_offline
+from .._launch import ByValue, PackedLaunch, ceil_div, round_up
 from .._scratch import StreamScratch
-from .._sources import COLLAPSE_V1 as EPILOGUE_V1_SOURCE
-from .._sources import COLLAPSE_V2 as SOURCE
-from .collapse_versions import epilogue_launch_shape
+from .collapse_epilogue import epilogue_v1
 
-BF16, F32 = torch.bfloat16, torch.float32
-
-ARCH = "sm_90a"
-# collapse_gemm_sm90<MODE>: kStoreY = 0 (v2), kStoreYStats = 1 (v3), kFused = 2 (v4).
-GEMM_V2 = "collapse_gemm_sm90<0>"
-GEMM_V3 = "collapse_gemm_sm90<1>"
-GEMM_V4 = "collapse_gemm_sm90<2>"
-SPLIT_SUM = "collapse_split_sum"
-
-_TILE = _sources.COLLAPSE_V2_TILE
+_TILE = _sources.COLLAPSE_GEMM_TILE
 BLOCK_M, BLOCK_N, BLOCK_K = _TILE["COLLAPSE_V2_BLOCK_M"], _TILE["COLLAPSE_V2_BLOCK_N"], _TILE["COLLAPSE_V2_BLOCK_K"]
 STAGES = _TILE["COLLAPSE_V2_STAGES"]
 THREADS = 128 * (1 + _TILE["COLLAPSE_V2_CONSUMERS"])  # a producer warpgroup and the consumers
@@ -53,23 +45,25 @@ THREADS = 128 * (1 + _TILE["COLLAPSE_V2_CONSUMERS"])  # a producer warpgroup and
 SHARED_BYTES = _TILE["COLLAPSE_V2_SWIZZLE_ALIGN"] + STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * STAGES * 8 + 16
 MAX_PROJECTIONS = _TILE["COLLAPSE_V2_MAX_PROJECTIONS"]
 TENSOR_MAP_BYTES = 128
-# Byte offsets of CollapseGemmParams' fields (the kernel's static_asserts pin the same numbers).
-PARAM_OFFSETS = {
-    "x_maps": 0, "w_maps": 384, "out": 768, "row_sumsq": 776, "rows": 784, "hidden": 792,
-    "projections": 796, "row_tiles": 800, "col_tiles": 804, "k_blocks": 808, "splits": 812,
-    "k_blocks_per_split": 816, "units": 820, "stream0": 824, "out_bf16": 832, "row_counters": 840,
-    "eps": 848,
-}
-PARAMS_BYTES = 896
+# CollapseGemmParams (collapse_gemm_sm90.cuh) field by field in declaration order, as `struct`
+# codes: its natural C layout has no padding between fields (tests/test_collapse_hopper.py checks
+# the offsets against the declaration), only at the end, up to the tensor maps' 64-byte alignment.
+PARAM_FIELDS = (
+    ("x_maps", f"{MAX_PROJECTIONS * TENSOR_MAP_BYTES}s"), ("w_maps", f"{MAX_PROJECTIONS * TENSOR_MAP_BYTES}s"),
+    ("out", "Q"), ("row_sumsq", "Q"), ("rows", "q"), ("hidden", "i"), ("projections", "i"),
+    ("row_tiles", "i"), ("col_tiles", "i"), ("k_blocks", "i"), ("splits", "i"), ("k_blocks_per_split", "i"),
+    ("units", "i"), ("stream0", "Q"), ("out_bf16", "Q"), ("row_counters", "Q"), ("eps", "f"),
+)
+_FIELDS_BYTES = struct.calcsize("=" + "".join(code for _, code in PARAM_FIELDS))
+PARAMS_BYTES = round_up(_FIELDS_BYTES, 64)
+PARAMS = ByValue("".join(code for _, code in PARAM_FIELDS) + f"{PARAMS_BYTES - _FIELDS_BYTES}x")
 # A K split streams at least this many 64-wide K blocks, so the per-unit pipeline fill and the
 # partial's write stay small next to its loads.
 MIN_K_BLOCKS_PER_SPLIT = 4
 SPLIT_SUM_THREADS = 256
-EPILOGUE_V3_MAX_THREADS = _TILE["COLLAPSE_V3_EPILOGUE_MAX_THREADS"]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+SPLIT_SUM_ARGS = ("ptr", "ptr", "i32", "i64")  # partials, y, splits, float4 count
+EPILOGUE_V3_ARGS = ("ptr",) * 4 + ("i32", "i64", "i32", "f32")  # stream 0, y, row_sumsq, out, H, rows, tiles, eps
+SOURCES = (_sources.COLLAPSE_V2, _sources.COLLAPSE_V3, _sources.COLLAPSE_V4)  # by GEMM mode
 
 
 @dataclass(frozen=True)
@@ -102,18 +96,24 @@ def plan_gemm(rows: int, hidden: int, projections: int, sms: int, split_k: bool 
             f"{MAX_PROJECTIONS} and sms >= 1; got rows={rows}, hidden={hidden}, "
             f"projections={projections}, sms={sms}"
         )
-    row_tiles = _ceil_div(rows, BLOCK_M)
-    col_tiles = _ceil_div(hidden, BLOCK_N)
-    k_blocks = _ceil_div(hidden, BLOCK_K)
+    row_tiles = ceil_div(rows, BLOCK_M)
+    col_tiles = ceil_div(hidden, BLOCK_N)
+    k_blocks = ceil_div(hidden, BLOCK_K)
     tiles = projections * row_tiles * col_tiles
     splits = 1
     if split_k and tiles < sms:
         splits = max(1, min(sms // tiles, k_blocks // MIN_K_BLOCKS_PER_SPLIT))
-    per_split = _ceil_div(k_blocks, splits)
-    splits = _ceil_div(k_blocks, per_split)
+    per_split = ceil_div(k_blocks, splits)
+    splits = ceil_div(k_blocks, per_split)
     units = tiles * splits
     return GemmPlan(rows, hidden, projections, row_tiles, col_tiles, k_blocks, splits, per_split,
                     units, min(units, sms))
+
+
+def uses_row_statistics(rows: int, hidden: int, streams: int, device: int) -> bool:
+    """Whether collapse v3/v4 take their own path: only when v2 would not split K (for small M,
+    splitting K to fill the GPU is worth more than the statistics); otherwise they are v2."""
+    return plan_gemm(rows, hidden, streams - 1, _device.sm_count(device)).splits == 1
 
 
 @dataclass(frozen=True)
@@ -136,333 +136,137 @@ def tensor_map_spec(rows: int, cols: int, box_rows: int) -> TensorMapSpec:
     return TensorMapSpec((cols, rows), (cols * 2,), (BLOCK_K, box_rows), (1, 1))
 
 
-def encode_tensor_map(address: int, spec: TensorMapSpec) -> bytes:
-    """The 128-byte CUtensorMap of `spec` at device address `address` (16-byte aligned)."""
-    from cuda.bindings import driver
+class TensorMapEncoder:
+    """cuTensorMapEncodeTiled for one `TensorMapSpec`, its arguments converted once; a call returns
+    the 128-byte CUtensorMap of the matrix at one device address (16-byte aligned)."""
 
-    if address % 16:
-        raise ValueError(f"a TMA tensor must start at a 16-byte aligned address, got {address:#x}")
-    error, tensor_map = driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, address,
-        [driver.cuuint64_t(v) for v in spec.global_dim],
-        [driver.cuuint64_t(v) for v in spec.global_strides],
-        [driver.cuuint32_t(v) for v in spec.box_dim],
-        [driver.cuuint32_t(v) for v in spec.element_strides],
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    )
-    _check(error, f"cuTensorMapEncodeTiled({spec})")
-    return ctypes.string_at(tensor_map.getPtr(), TENSOR_MAP_BYTES)
+    def __init__(self, spec: TensorMapSpec):
+        from cuda.bindings import driver
 
+        self.spec = spec
+        self._encode = driver.cuTensorMapEncodeTiled
+        self._success = driver.CUresult.CUDA_SUCCESS
+        self._dtype = driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+        self._extents = ([driver.cuuint64_t(v) for v in spec.global_dim],
+                         [driver.cuuint64_t(v) for v in spec.global_strides],
+                         [driver.cuuint32_t(v) for v in spec.box_dim],
+                         [driver.cuuint32_t(v) for v in spec.element_strides])
+        self._modes = (driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                       driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                       driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                       driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
-@dataclass(frozen=True)
-class FusedEpilogue:
-    """What v4's in-GEMM epilogue needs: device addresses and epsilon."""
-
-    stream0_ptr: int  # hidden_states[0], bf16 [M, H]
-    out_ptr: int  # bf16 [M, H]
-    row_counters_ptr: int  # uint32 [row tiles], zeros
-    eps: float
-
-
-def pack_params(x_maps: Sequence[bytes], w_maps: Sequence[bytes], out_ptr: int, row_sumsq_ptr: int,
-                plan: GemmPlan, fused: FusedEpilogue | None = None) -> bytes:
-    """CollapseGemmParams as the kernel lays it out (unused map slots and, without `fused`, the
-    fused epilogue's fields are zeros: never read)."""
-    if len(x_maps) != plan.projections or len(w_maps) != plan.projections:
-        raise ValueError(f"need {plan.projections} x and w tensor maps, got {len(x_maps)} and {len(w_maps)}")
-    buffer = bytearray(PARAMS_BYTES)
-    for slot, (x_map, w_map) in enumerate(zip(x_maps, w_maps)):
-        if len(x_map) != TENSOR_MAP_BYTES or len(w_map) != TENSOR_MAP_BYTES:
-            raise ValueError("tensor maps are 128 bytes each")
-        x_at = PARAM_OFFSETS["x_maps"] + slot * TENSOR_MAP_BYTES
-        w_at = PARAM_OFFSETS["w_maps"] + slot * TENSOR_MAP_BYTES
-        buffer[x_at:x_at + TENSOR_MAP_BYTES] = x_map
-        buffer[w_at:w_at + TENSOR_MAP_BYTES] = w_map
-    struct.pack_into("<QQq", buffer, PARAM_OFFSETS["out"], out_ptr, row_sumsq_ptr, plan.rows)
-    struct.pack_into(
-        "<8i", buffer, PARAM_OFFSETS["hidden"], plan.hidden, plan.projections, plan.row_tiles,
-        plan.col_tiles, plan.k_blocks, plan.splits, plan.k_blocks_per_split, plan.units,
-    )
-    if fused is not None:
-        struct.pack_into("<QQQf", buffer, PARAM_OFFSETS["stream0"], fused.stream0_ptr, fused.out_ptr,
-                         fused.row_counters_ptr, fused.eps)
-    return bytes(buffer)
-
-
-# ---- driver plumbing ------------------------------------------------------------------------------
-
-def _check(result, what: str):
-    from cuda.bindings import driver
-
-    error = result[0] if isinstance(result, tuple) else result
-    if error != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {error}")
-    return result[1:] if isinstance(result, tuple) else ()
-
-
-_cubins: dict = {}
-
-
-def _cubin(source: KernelSource):
-    """The source's sm_90a cubin, compiled once per process."""
-    build = _cubins.get(source.filename)
-    if build is None:
-        build = _cubins[source.filename] = compile_offline(source, ARCH)
-    return build
-
-
-_modules: dict = {}  # (filename, device) -> CUmodule
-_functions: dict = {}  # (filename, expression, device) -> CUfunction
-_contexts: dict = {}  # device -> its primary CUcontext
-_modules_lock = threading.Lock()
-
-
-def _make_current(device: int) -> None:
-    """Make the device's primary context (the one torch and CuPy use) current on this thread."""
-    from cuda.bindings import driver
-
-    context = _contexts.get(device)
-    if context is None:
-        _check(driver.cuInit(0), "cuInit")
-        (dev,) = _check(driver.cuDeviceGet(device), "cuDeviceGet")
-        (context,) = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        _contexts[device] = context
-    _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-
-
-def _function(source: KernelSource, expression: str, device: int, shared_bytes: int = 0):
-    """The driver function of `expression` in `source`, loaded once per device."""
-    from cuda.bindings import driver
-
-    key = (source.filename, expression, device)
-    function = _functions.get(key)
-    if function is None:
-        with _modules_lock:
-            _make_current(device)
-            build = _cubin(source)
-            module_key = (source.filename, device)
-            module = _modules.get(module_key)
-            if module is None:
-                (module,) = _check(driver.cuModuleLoadData(build.cubin), f"cuModuleLoadData({source.filename})")
-                _modules[module_key] = module
-            (function,) = _check(
-                driver.cuModuleGetFunction(module, build.lowered_names[expression].encode()),
-                f"cuModuleGetFunction({expression})",
-            )
-            if shared_bytes:
-                _check(driver.cuFuncSetAttribute(
-                    function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared_bytes), f"cuFuncSetAttribute({expression}, {shared_bytes} bytes shared)")
-            _functions[key] = function
-    return function
-
-
-def _launch(function, device: int, grid: int, threads: int, shared_bytes: int, stream: int,
-            args: Sequence[Any], what: str) -> None:
-    """cuLaunchKernel with each argument given as a ctypes object (copied by the driver)."""
-    from cuda.bindings import driver
-
-    _make_current(device)
-    pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    _check(driver.cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, shared_bytes,
-                                 driver.CUstream(stream), ctypes.addressof(pointers), 0), what)
-
-
-# ---- v2 launchers ---------------------------------------------------------------------------------
-
-class _Operand:
-    """A validated tensor and its address (what the launchers read of it)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.tensor, self.shape, self.ptr = t, tuple(t.shape), t.data_ptr()
-
-
-def _accept(name: str, t: Any, dtype, shape, dims: str) -> _Operand:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch CUDA tensor, got {type(t).__name__}")
-    _arrays.check_tensor(name, t, dtype, shape, dims)
-    if t.is_cuda:
-        _arrays.check_aligned([(name, t)])
-    return _Operand(t)
-
-
-def _stream_operands(hidden_states: Any, weights: Any):
-    """Validated (hidden_states, weight addresses, N, M, H, device index)."""
-    shape = getattr(hidden_states, "shape", None)
-    if shape is None:
-        raise TypeError(f"hidden_states must be a torch CUDA tensor, got {type(hidden_states).__name__}")
-    if len(shape) not in (3, 4):
-        raise ValueError(f"hidden_states must be [N, B, S, H] or [N, M, H], got {list(shape)}")
-    hs = _accept("hidden_states", hidden_states, BF16, (None,) * len(shape), "N B S H" if len(shape) == 4 else "N M H")
-    streams, hidden = hs.shape[0], hs.shape[-1]
-    rows = 1
-    for extent in hs.shape[1:-1]:
-        rows *= extent
-    _arrays.check_streams_and_width("hidden_states", streams, hidden, "last dim")
-    if isinstance(weights, (list, tuple)):
-        if len(weights) != streams - 1:
-            raise ValueError(f"weights must hold N-1 = {streams - 1} matrices, got {len(weights)}")
-        mats = [_accept(f"weights[{i}]", w, BF16, (hidden, hidden), "H H") for i, w in enumerate(weights)]
-        w_ptrs = [m.ptr for m in mats]
-    else:
-        mats = [_accept("weights", weights, BF16, (streams - 1, hidden, hidden), "N-1 H H")]
-        w_ptrs = [mats[0].ptr + 2 * k * hidden * hidden for k in range(streams - 1)]
-    device = _arrays.check_devices([("hidden_states", hs.tensor)] + [(f"weights[{i}]", m.tensor) for i, m in enumerate(mats)])
-    if device.type != "cuda":
-        raise ValueError(f"hidden_states is on {device}; expected a CUDA device")
-    return hs, w_ptrs, streams, rows, hidden, device.index
-
-
-@dataclass
-class _Prepared:
-    plan: GemmPlan
-    x_maps: list
-    w_maps: list
-
-
-_prepared: dict = {}
-_PREPARED_LIMIT = 64
-
-
-def _prepare(hs_ptr: int, w_ptrs: Sequence[int], streams: int, rows: int, hidden: int, device: int,
-             split_k: bool) -> _Prepared:
-    """The plan and tensor maps of these operands (cached by shape and addresses)."""
-    key = (device, hs_ptr, tuple(w_ptrs), streams, rows, hidden, split_k)
-    prepared = _prepared.get(key)
-    if prepared is None:
-        plan = plan_gemm(rows, hidden, streams - 1, _device.sm_count(device), split_k)
-        x_spec = tensor_map_spec(rows, hidden, BLOCK_M)
-        w_spec = tensor_map_spec(hidden, hidden, BLOCK_N)
-        stream_bytes = 2 * rows * hidden
-        x_maps = [encode_tensor_map(hs_ptr + (k + 1) * stream_bytes, x_spec) for k in range(streams - 1)]
-        w_maps = [encode_tensor_map(p, w_spec) for p in w_ptrs]
-        if len(_prepared) >= _PREPARED_LIMIT:
-            _prepared.clear()
-        prepared = _prepared[key] = _Prepared(plan, x_maps, w_maps)
-    return prepared
+    def __call__(self, address: int) -> bytes:
+        error, tensor_map = self._encode(self._dtype, 2, address, *self._extents, *self._modes)
+        if error != self._success:
+            raise RuntimeError(f"cuTensorMapEncodeTiled({self.spec}) at {address:#x} failed: {error}")
+        return ctypes.string_at(tensor_map.getPtr(), TENSOR_MAP_BYTES)
 
 
 # The K splits' fp32 partials, and v4's per-row-block unit counters (zeroed; the kernel leaves
 # every counter at zero when it finishes).
 _SPLIT_PARTIALS = StreamScratch()
 _ROW_COUNTERS = StreamScratch(zeroed=True)
+_NO_FUSED_EPILOGUE = (0, 0, 0, 0.0)  # CollapseGemmParams' stream0, out_bf16, row_counters, eps
 
 
-def _run_gemm(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, stream: int,
-              fused: FusedEpilogue | None = None) -> GemmPlan | None:
-    """v2 (out_row_sumsq None: K split when M is small), v3 (row statistics, K never split) or,
-    with `fused`, v4 (v3 plus the collapse of each finished row block)."""
-    hs, w_ptrs, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
-    y = _accept("out_y", out_y, F32, (streams - 1, *hs.shape[1:]), "N-1 ...")
-    stats = out_row_sumsq is not None
-    if fused is not None and not stats:
-        raise ValueError("the fused epilogue (v4) needs out_row_sumsq")
-    if rows == 0:
-        return None
-    prepared = _prepare(hs.ptr, w_ptrs, streams, rows, hidden, device, split_k=not stats)
-    plan = prepared.plan
-    checked = [hs, y]
-    if stats:
-        row_sumsq = _accept("out_row_sumsq", out_row_sumsq, F32, (streams - 1, rows, plan.col_tiles), "N-1 M C")
-        checked.append(row_sumsq)
-    _arrays.check_devices([(str(i), c.tensor) for i, c in enumerate(checked)])
-    expression = GEMM_V4 if fused is not None else GEMM_V3 if stats else GEMM_V2
-    gemm = _function(SOURCE, expression, device, SHARED_BYTES)
-    slab = (streams - 1) * rows * hidden
-    split_partials = None  # held until the launches are queued
-    if plan.splits == 1:
-        target = y.ptr
-    else:
-        split_partials = _SPLIT_PARTIALS.get(4 * plan.splits * slab, torch.device("cuda", device), stream)
-        target = split_partials.data_ptr()
-    packed = pack_params(prepared.x_maps, prepared.w_maps, target, row_sumsq.ptr if stats else 0, plan, fused)
-    params = ctypes.create_string_buffer(packed, PARAMS_BYTES)
-    _launch(gemm, device, plan.grid, THREADS, SHARED_BYTES, stream, [params], expression)
-    if plan.splits > 1:
-        count = slab // 4
-        blocks = min(_ceil_div(count, SPLIT_SUM_THREADS), 8 * _device.sm_count(device))
-        _launch(_function(SOURCE, SPLIT_SUM, device), device, blocks, SPLIT_SUM_THREADS, 0, stream,
-                [ctypes.c_uint64(target), ctypes.c_uint64(y.ptr), ctypes.c_int32(plan.splits),
-                 ctypes.c_int64(count)], SPLIT_SUM)
-    return plan
+class HopperPlan:
+    """One shape's collapse v2, v3 or v4 on one device, called as every collapse plan is:
+    (hidden_states, weights, out, eps, stream, reuse_scratch) with inputs the op has validated;
+    weights is [the stacked N-1 x H x H tensor] or the N-1 H x H matrices."""
+
+    def __init__(self, version: int, streams: int, rows: int, hidden: int, stacked: bool, device: int):
+        sms = _device.sm_count(device)
+        projections = streams - 1
+        # The GEMM's epilogue mode: 0 (v2, and v3, v4 where K is split), 1 (v3), 2 (v4).
+        self.mode = version - 2 if version > 2 and uses_row_statistics(rows, hidden, streams, device) else 0
+        self.tiles = t = plan_gemm(rows, hidden, projections, sms, split_k=self.mode == 0)
+        gemm = SOURCES[self.mode].kernel(_sources.collapse_gemm(self.mode))
+        if gemm.max_dynamic_shared_size_bytes < SHARED_BYTES:
+            gemm.max_dynamic_shared_size_bytes = SHARED_BYTES
+        self.gemm = PackedLaunch(gemm, THREADS, SHARED_BYTES, (PARAMS,))
+        self.tile_fields = (rows, hidden, projections, t.row_tiles, t.col_tiles, t.k_blocks, t.splits,
+                            t.k_blocks_per_split, t.units)
+        self.y_floats = projections * rows * hidden
+        self.sumsq_floats = projections * rows * t.col_tiles
+        if t.splits > 1:
+            self.split_sum = PackedLaunch(_sources.COLLAPSE_V2.kernel("collapse_split_sum"), SPLIT_SUM_THREADS, 0,
+                                          SPLIT_SUM_ARGS)
+            self.split_sum_grid = min(ceil_div(self.y_floats // 4, SPLIT_SUM_THREADS), 8 * sms)
+        if self.mode == 0:
+            self.epilogue = epilogue_v1(streams, hidden)
+        elif self.mode == 1:
+            threads = min(_sources.COLLAPSE_V3_EPILOGUE_MAX_THREADS, max(32, round_up(hidden // 8, 32)))
+            self.epilogue = PackedLaunch(_sources.COLLAPSE_V3.kernel(f"collapse_epilogue_v3<{streams}>"), threads, 0,
+                                         EPILOGUE_V3_ARGS)
+        self.x_map = TensorMapEncoder(tensor_map_spec(rows, hidden, BLOCK_M))
+        self.w_map = TensorMapEncoder(tensor_map_spec(hidden, hidden, BLOCK_N))
+        self.rows, self.hidden, self.projections, self.stacked = rows, hidden, projections, stacked
+        # (address, packed maps) of the last call's hidden states and weights.
+        self._x_maps: tuple = (None, b"")
+        self._w_maps: tuple = (None, b"")
+
+    def _maps(self, hidden_states: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[bytes, bytes]:
+        """The x and w tensor maps of these operands, encoded again only where an address changed."""
+        address, x_maps = self._x_maps
+        hs = hidden_states.data_ptr()
+        if address != hs:
+            stream_bytes = 2 * self.rows * self.hidden
+            x_maps = b"".join(self.x_map(hs + (k + 1) * stream_bytes) for k in range(self.projections))
+            self._x_maps = (hs, x_maps)
+        address, w_maps = self._w_maps
+        w = weights[0].data_ptr() if self.stacked else tuple(m.data_ptr() for m in weights)
+        if address != w:
+            # TMA reads a matrix from a 16-byte aligned address; the op checked hidden_states'.
+            names = ["unembed_projs"] if self.stacked else [f"unembed_projs[{k}]" for k in range(self.projections)]
+            _arrays.check_aligned(list(zip(names, weights)))
+            matrix_bytes = 2 * self.hidden * self.hidden
+            starts = [w + k * matrix_bytes for k in range(self.projections)] if self.stacked else w
+            w_maps = b"".join(self.w_map(start) for start in starts)
+            self._w_maps = (w, w_maps)
+        return x_maps, w_maps
+
+    def project(self, hidden_states: torch.Tensor, weights: Sequence[torch.Tensor], y: torch.Tensor,
+                row_sumsq: torch.Tensor | None, stream: int, reuse_scratch: bool,
+                fused: tuple = _NO_FUSED_EPILOGUE) -> None:
+        """The GEMM: y (fp32 [N-1, M, H]) and, in modes 1 and 2, row_sumsq (fp32 [N-1, M, column
+        tiles]), with the K splits summed. fused (mode 2): the addresses of stream 0, the output and
+        the row counters, and eps."""
+        x_maps, w_maps = self._maps(hidden_states, weights)
+        y_ptr = y.data_ptr()
+        sumsq_ptr = 0 if row_sumsq is None else row_sumsq.data_ptr()
+        t = self.tiles
+        if t.splits == 1:
+            self.gemm(stream, t.grid, x_maps, w_maps, y_ptr, sumsq_ptr, *self.tile_fields, *fused)
+            return
+        # Held until both launches are queued: freed earlier, it could be handed out again.
+        partials = _SPLIT_PARTIALS.get(4 * t.splits * self.y_floats, hidden_states.device, stream, reuse_scratch)
+        self.gemm(stream, t.grid, x_maps, w_maps, partials.data_ptr(), sumsq_ptr, *self.tile_fields, *fused)
+        self.split_sum(stream, self.split_sum_grid, partials.data_ptr(), y_ptr, t.splits, self.y_floats // 4)
+
+    def __call__(self, hidden_states: torch.Tensor, weights: Sequence[torch.Tensor], out: torch.Tensor,
+                 eps: float, stream: int, reuse_scratch: bool) -> None:
+        device = hidden_states.device
+        hs, out_ptr, rows = hidden_states.data_ptr(), out.data_ptr(), self.rows
+        y = torch.empty(self.y_floats, dtype=torch.float32, device=device)
+        if self.mode == 0:
+            self.project(hidden_states, weights, y, None, stream, reuse_scratch)
+            self.epilogue(stream, rows, hs, y.data_ptr(), out_ptr, self.hidden, rows, eps)
+            return
+        row_sumsq = torch.empty(self.sumsq_floats, dtype=torch.float32, device=device)
+        if self.mode == 1:
+            self.project(hidden_states, weights, y, row_sumsq, stream, reuse_scratch)
+            self.epilogue(stream, rows, hs, y.data_ptr(), row_sumsq.data_ptr(), out_ptr, self.hidden, rows,
+                          self.tiles.col_tiles, eps)
+            return
+        # Held until the launch is queued, like the split partials.
+        counters = _ROW_COUNTERS.get(4 * self.tiles.row_tiles, device, stream, reuse_scratch)
+        self.project(hidden_states, weights, y, row_sumsq, stream, reuse_scratch,
+                     (hs, out_ptr, counters.data_ptr(), eps))
 
 
-def launch_v2(hidden_states: Any, weights: Any, out_y: Any, stream: int) -> GemmPlan | None:
-    """out_y[k] = hidden_states[k + 1] @ weights[k]^T (fp32) for k < N-1, on CUDA stream `stream`.
-
-    hidden_states: bf16 [N, B, S, H] or [N, M, H]; weights: N-1 bf16 [H, H] (a list, or stacked
-    [N-1, H, H]); out_y: fp32 [N-1, M, H] (or [N-1, B, S, H]), overwritten. Returns the plan used
-    (None when M = 0: nothing to do).
-    """
-    return _run_gemm(hidden_states, weights, out_y, None, stream)
-
-
-def launch_v3(hidden_states: Any, weights: Any, out_y: Any, out_row_sumsq: Any, stream: int) -> GemmPlan | None:
-    """launch_v2 without K splits, plus out_row_sumsq[k, t, c] = sum of out_y[k, t, j]^2 over the
-    columns j of column tile c (fp32 [N-1, M, ceil(H / BLOCK_N)])."""
-    return _run_gemm(hidden_states, weights, out_y, out_row_sumsq, stream)
-
-
-def uses_row_statistics(rows: int, hidden: int, streams: int, device: int) -> bool:
-    """Whether collapse_v3/v4 take their own path: only when v2 would not split K (for small M,
-    splitting K to fill the GPU is worth more than the statistics); otherwise they are v2."""
-    return plan_gemm(rows, hidden, streams - 1, _device.sm_count(device)).splits == 1
-
-
-def _collapse(hidden_states: Any, weights: Any, eps: float, version: int, out: Any = None) -> Any:
-    hs, _, streams, rows, hidden, device = _stream_operands(hidden_states, weights)
-    eps = _arrays.positive_finite("eps", eps)
-    if out is None:
-        out = torch.empty(hs.shape[1:], dtype=torch.bfloat16, device=hidden_states.device)
-    if rows == 0:
-        return out
-    stream = torch.cuda.current_stream(device).cuda_stream
-    y = torch.empty((streams - 1, rows, hidden), dtype=torch.float32, device=hidden_states.device)
-    x = hidden_states.view(streams, rows, hidden)
-    if version == 2 or not uses_row_statistics(rows, hidden, streams, device):
-        launch_v2(x, weights, y, stream)
-        chunks, threads = epilogue_launch_shape(streams, hidden)
-        epilogue = _function(EPILOGUE_V1_SOURCE, f"collapse_epilogue_v1<{streams}, {chunks}>", device)
-        args = [ctypes.c_uint64(hs.ptr), ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(out.data_ptr()),
-                ctypes.c_int32(hidden), ctypes.c_int64(rows), ctypes.c_float(eps)]
-        # One block per row: the grid's x extent allows 2^31 - 1 rows.
-        _launch(epilogue, device, rows, threads, 0, stream, args, "collapse_epilogue_v1")
-        return out
-    col_tiles = _ceil_div(hidden, BLOCK_N)
-    row_sumsq = torch.empty((streams - 1, rows, col_tiles), dtype=torch.float32, device=hidden_states.device)
-    if version == 4:
-        counters = _ROW_COUNTERS.get(4 * _ceil_div(rows, BLOCK_M), torch.device("cuda", device), stream)
-        _run_gemm(x, weights, y, row_sumsq, stream, FusedEpilogue(hs.ptr, out.data_ptr(), counters.data_ptr(), eps))
-        return out
-    launch_v3(x, weights, y, row_sumsq, stream)
-    epilogue = _function(SOURCE, f"collapse_epilogue_v3<{streams}>", device)
-    threads = min(EPILOGUE_V3_MAX_THREADS, max(32, _ceil_div(hidden // 8, 32) * 32))
-    args = [ctypes.c_uint64(hs.ptr), ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(row_sumsq.data_ptr()),
-            ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(hidden), ctypes.c_int64(rows),
-            ctypes.c_int32(col_tiles), ctypes.c_float(eps)]
-    _launch(epilogue, device, rows, threads, 0, stream, args, "collapse_epilogue_v3")
-    return out
-
-
-def collapse_v2(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
-    """The collapse (SPEC section 1) with v2's projections and v1's epilogue: bf16 [B, S, H].
-
-    hidden_states bf16 [N, B, S, H]; weights N-1 bf16 [H, H] (list or stacked). Runs on torch's
-    current stream of the tensors' device.
-    """
-    return _collapse(hidden_states, weights, eps, version=2)
-
-
-def collapse_v3(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
-    """As collapse_v2, with the projections' row statistics taken from the GEMM's accumulators
-    (collapse_epilogue_v3 reads each y_k once, streamed) whenever K is not split."""
-    return _collapse(hidden_states, weights, eps, version=3)
-
-
-def collapse_v4(hidden_states: Any, weights: Any, eps: float = 1e-5) -> Any:
-    """As collapse_v3, with the normalisation done inside the GEMM by the CTA that finishes each
-    row block (y_k read back from L2; one launch) whenever K is not split."""
-    return _collapse(hidden_states, weights, eps, version=4)
+@functools.lru_cache(maxsize=256)
+def plan(version: int, streams: int, rows: int, hidden: int, stacked: bool, device: int) -> HopperPlan:
+    """The plan of collapse `version` (2, 3 or 4) for one shape, built once."""
+    with torch.cuda.device(device):
+        return HopperPlan(version, streams, rows, hidden, stacked, device)

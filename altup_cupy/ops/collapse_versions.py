@@ -6,6 +6,10 @@ stream, so CUDA graphs capture them: `_cublas`), into an fp32 workspace; then on
 (`collapse_epilogue_v1`) reads stream 0 and the projections once and writes the bf16 result. Rows
 are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One allocation a call
 holds the projections and cuBLASLt's workspace.
+v2-v4: the package's own Hopper GEMM (ops/collapse_hopper.py).
+
+A plan is built once per (version, N, M, H, stacked weights or a list, device) and called as
+(hidden_states, weights, out, eps, stream, reuse_scratch) on inputs the op has validated.
 """
 
 from __future__ import annotations
@@ -15,30 +19,12 @@ import functools
 import torch
 
 from .. import _cublas, _sources
-from .._launch import PackedLaunch
+from .._launch import round_up
+from . import collapse_hopper
 from ._registry import Version
+from .collapse_epilogue import epilogue_v1
 
 WORKSPACE_BYTES = 1 << 30
-TARGET_THREADS = 512
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def epilogue_launch_shape(streams: int, hidden: int) -> tuple[int, int]:
-    """(chunks per thread, threads per block) for one row of `hidden` elements.
-
-    The fewest chunks whose block, at most TARGET_THREADS wide, covers the row in one sweep (the
-    row then stays in registers); rows too wide for any of them take several sweeps of the widest
-    block with one chunk each.
-    """
-    slices = hidden // 8
-    for chunks in _sources.COLLAPSE_CHUNK_CHOICES:
-        threads = max(32, _ceil_div(_ceil_div(slices, chunks), 32) * 32)
-        if threads <= min(TARGET_THREADS, _sources.collapse_max_threads(streams, chunks)):
-            return chunks, threads
-    return 1, _sources.collapse_max_threads(streams, 1)
 
 
 def rows_per_block(rows: int, streams: int, hidden: int) -> int:
@@ -51,9 +37,7 @@ class V1Plan:
     """One shape's v1: the GEMMs of each row block, then the epilogue, all with packed arguments."""
 
     def __init__(self, streams: int, rows: int, hidden: int, stacked: bool):
-        chunks, threads = epilogue_launch_shape(streams, hidden)
-        kernel = _sources.COLLAPSE_V1.kernel(f"collapse_epilogue_v1<{streams}, {chunks}>")
-        self.epilogue = PackedLaunch(kernel, threads, 0, ("ptr", "ptr", "ptr", "i32", "i64", "f32"))
+        self.epilogue = epilogue_v1(streams, hidden)
         self.streams, self.rows, self.hidden, self.stacked = streams, rows, hidden, stacked
         self.block_rows = rows_per_block(rows, streams, hidden)
         self.blocks = [(first, min(self.block_rows, rows - first)) for first in range(0, rows, self.block_rows)]
@@ -66,11 +50,12 @@ class V1Plan:
                 y_batch_stride=count * hidden)
             for count in {count for _, count in self.blocks}}
         projection_bytes = (streams - 1) * self.block_rows * hidden * 4
-        self.gemm_workspace_offset = -(-projection_bytes // 256) * 256
+        self.gemm_workspace_offset = round_up(projection_bytes, 256)
         self.workspace_bytes = self.gemm_workspace_offset + max(g.workspace_bytes for g in self.gemms.values())
 
     def __call__(self, hidden_states: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
-                 eps: float, stream: int) -> None:
+                 eps: float, stream: int, reuse_scratch: bool) -> None:
+        # reuse_scratch is not needed: the workspace is one allocation a call.
         hidden, stream_elements = self.hidden, self.rows * self.hidden
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=hidden_states.device)
         hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()
@@ -94,17 +79,6 @@ def _v1_plan(streams: int, rows: int, hidden: int, stacked: bool, device: int) -
         return V1Plan(streams, rows, hidden, stacked)
 
 
-def _hopper_plan(version: int):
-    """Versions 2-4 (ops/collapse_hopper.py) keep their own per-shape plans and launches."""
-    def plan(streams: int, rows: int, hidden: int, stacked: bool, device: int):
-        def run(hidden_states, weights, out, eps, stream):
-            from . import collapse_hopper
-
-            collapse_hopper._collapse(hidden_states, weights[0] if stacked else weights, eps, version, out)
-        return run
-    return plan
-
-
 VERSIONS = {
     1: Version(
         number=1,
@@ -115,11 +89,15 @@ VERSIONS = {
     ),
     2: Version(2, "own sm_90a GEMM (TMA, wgmma, producer/consumer warpgroups, persistent grid, split-K "
                   "at small M) into the fp32 workspace, then v1's epilogue",
-               (_sources.COLLAPSE_V2, _sources.COLLAPSE_V1), lambda streams, hidden: True, _hopper_plan(2)),
+               (_sources.COLLAPSE_V2, _sources.COLLAPSE_V1), lambda streams, hidden: True,
+               functools.partial(collapse_hopper.plan, 2)),
+    # v3 and v4 run v2's kernels where K is split (small M).
     3: Version(3, "row sums of squares from the GEMM's fp32 accumulators, so the epilogue reads y_k once",
-               (_sources.COLLAPSE_V2,), lambda streams, hidden: True, _hopper_plan(3)),
+               (_sources.COLLAPSE_V3, _sources.COLLAPSE_V2, _sources.COLLAPSE_V1), lambda streams, hidden: True,
+               functools.partial(collapse_hopper.plan, 3)),
     4: Version(4, "the CTA finishing a row block normalises it from L2: one launch, no epilogue pass",
-               (_sources.COLLAPSE_V2,), lambda streams, hidden: True, _hopper_plan(4)),
+               (_sources.COLLAPSE_V4, _sources.COLLAPSE_V2, _sources.COLLAPSE_V1), lambda streams, hidden: True,
+               functools.partial(collapse_hopper.plan, 4)),
 }
 # The default: the first of these that runs on the device and shape.
 PREFERENCE = (1,)

@@ -8,7 +8,6 @@ path: validated inputs go straight to the cached launch plan of their shape.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -17,7 +16,8 @@ import torch
 from .. import _arrays, _device
 from ..reference import predict_correct_backward_reference
 from . import _registry
-from .collapse import CPU_DTYPES, _fast_path_applies
+from ._registry import fast_path_applies
+from .collapse import CPU_DTYPES
 from .predict_correct_backward_versions import MAX_HIDDEN, PREFERENCE, VERSIONS
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
@@ -84,9 +84,14 @@ def _empty_grads(g, act, separate_weight_grads):
     return (grad_hs, grad_act, *views)
 
 
-def _run_cuda(inputs, active_idx, eps, version, fast_path=False):
+# The version that serves a call, picked once per shape (its plans are cached by the version).
+_version = _registry.picker(VERSIONS, PREFERENCE)
+
+
+def _run_cuda(inputs, active_idx, eps, version, fast_path=False, make_plan=None):
     """fast_path: called by the public function, outside torch's dispatcher: the weight gradients
-    share one allocation and the scratch memory is reused (see _empty_grads, _scratch)."""
+    share one allocation and the scratch memory is reused (see _empty_grads, _scratch).
+    make_plan: builds the plan instead of the version's own (see run_plan)."""
     streams, batch, seq, hidden, a, eps, device = validate(*inputs, active_idx, eps)
     pointers = tuple(t.data_ptr() for t in inputs)
     # The rows are read 16 bytes at a time (and by the bulk-copy engine): a view into a larger
@@ -100,19 +105,11 @@ def _run_cuda(inputs, active_idx, eps, version, fast_path=False):
             weight_grad.zero_()
         return outs
     index = device.index
-    plan = _version(version, streams, hidden, index).plan(streams, a, tokens, hidden, index)
+    if make_plan is None:
+        make_plan = _version(version, streams, hidden, index).plan
+    plan = make_plan(streams, a, tokens, hidden, index)
     plan(pointers, outs, eps, torch._C._cuda_getCurrentRawStream(index), device, reuse_scratch=fast_path)
     return outs
-
-
-@functools.lru_cache(maxsize=256)
-def _version(version, streams: int, hidden: int, index: int):
-    """The version that serves this call, picked once per shape (its plans are cached by the
-    version itself: v4's depend on a tuning override too)."""
-    capability, name = _device.facts(index)
-    if version is None:
-        capability = _device.default_dispatch_capability(capability)
-    return _registry.pick(VERSIONS, PREFERENCE, version, capability, streams, hidden, name)
 
 
 @torch.library.custom_op("altup_cupy::predict_correct_backward", mutates_args=(), device_types="cuda")
@@ -184,10 +181,20 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     eps = _arrays.positive_finite("eps", eps)
     _registry.check_number(VERSIONS, version)
     if not cupy_in:
-        if _fast_path_applies(inputs):
+        if fast_path_applies(inputs):
             with _device.on(inputs[0].device):
                 return PredictCorrectGrads(*_run_cuda(inputs, active_idx, eps, version, fast_path=True))
         return PredictCorrectGrads(*torch.ops.altup_cupy.predict_correct_backward(
             *inputs, active_idx, eps, version))
     with _arrays.cupy_caller_stream(inputs[0].device):
         return PredictCorrectGrads(*map(_arrays.to_cupy, _run_cuda(inputs, active_idx, eps, version)))
+
+
+def run_plan(make_plan, inputs, active_idx: int, eps: float) -> PredictCorrectGrads:
+    """The backward of torch CUDA tensors `inputs` (the seven of `predict_correct_backward`, in its
+    order) through a plan of the caller's making, `make_plan(streams, active, tokens, hidden,
+    device)`: e.g. `functools.partial(v4_plan, stages=3)` runs v4 with three ring stages (the
+    ring-stage sweep, the tests of every stage count). Checked and launched as the public function
+    does, on the current stream."""
+    with _device.on(inputs[0].device):
+        return PredictCorrectGrads(*_run_cuda(tuple(inputs), active_idx, eps, None, make_plan=make_plan))

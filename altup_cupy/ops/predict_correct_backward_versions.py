@@ -11,23 +11,22 @@ v1 (teaching): one small kernel per derivation stage, intermediates in global sc
 v2-v4 write per-block partials of the weight gradients that the reduce kernel sums in a fixed
 order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
 
-A plan is built once per (version, N, active index, tokens, H, device): launch shape, occupancy,
-packed launches. Calling it takes the weight-gradient partials from scratch memory (`_scratch`:
-reused per stream on the eager fast path, else fresh) and launches.
+A plan is built once per (version, N, active index, tokens, H, device; v4 also per ring-stage
+count): launch shape, occupancy, packed launches. Calling it takes the weight-gradient partials
+from scratch memory (`_scratch`: reused per stream on the eager fast path, else fresh) and
+launches.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from typing import Iterator
 
 import torch
 
 from .. import _device
 from .. import _sources as S
-from .._launch import PackedLaunch
+from .._launch import PackedLaunch, ceil_div, round_up
 from .._scratch import StreamScratch
 from ._registry import Version
 
@@ -43,19 +42,11 @@ _PARTIALS = StreamScratch()
 _TICKETS = StreamScratch(zeroed=True)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
-
-
 def blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int) -> int:
     """Resident blocks per SM: registers are allocated per warp in units of 256 (64K per SM, at
     most 64 warps), shared memory per block plus 1 KiB reserved (228 KiB per SM)."""
-    warps = _ceil_div(threads, 32)
-    per_warp = _ceil_div(max(registers, 1) * 32, 256) * 256
+    warps = ceil_div(threads, 32)
+    per_warp = ceil_div(max(registers, 1) * 32, 256) * 256
     by_regs = min(64, 65536 // per_warp) // warps
     by_smem = (228 * 1024) // (shared_bytes + 1024)
     by_threads = 2048 // threads
@@ -81,7 +72,7 @@ class _Reduce:
     def __init__(self, streams: int, hidden: int):
         kernel = S.PREDICT_CORRECT_BACKWARD_REDUCE.kernel(f"predict_correct_backward_reduce<{streams}>")
         self.launch = PackedLaunch(kernel, S.REDUCE_THREADS, 0, ("ptr", "i32", "i32", "ptr", "ptr", "ptr", "ptr"))
-        self.grid = _ceil_div(S.partial_stride(streams, hidden) // 4, 32)  # 32 float4 columns a block
+        self.grid = ceil_div(S.partial_stride(streams, hidden) // 4, 32)  # 32 float4 columns a block
         self.hidden = hidden
 
     def __call__(self, stream: int, partials: int, blocks: int, outs) -> None:
@@ -117,10 +108,6 @@ class FusedPlan:
 class V1Plan:
     """One kernel per derivation stage; scratch rows in fp32."""
 
-    STAGES = (  # stage, argument types after its pointers, grid kind
-        "forward_stats", "correction_grads", "correct_router_bwd", "prediction_grads",
-        "predict_router_bwd", "elementwise", "weight_grads", "coef_grads")
-
     def __init__(self, streams: int, active: int, tokens: int, hidden: int):
         n = streams
         kernel = lambda stage: S.PREDICT_CORRECT_BACKWARD_V1.kernel(  # noqa: E731
@@ -137,8 +124,8 @@ class V1Plan:
         self.coef_grads = PackedLaunch(kernel("coef_grads"), t, 0, P(2) + ("i32", "i64", "i64"))
         self.reduce = _Reduce(streams, hidden)
         chunks = min(tokens, V1_MAX_CHUNKS)
-        self.per_chunk = _ceil_div(tokens, chunks)
-        self.chunks = _ceil_div(tokens, self.per_chunk)
+        self.per_chunk = ceil_div(tokens, chunks)
+        self.chunks = ceil_div(tokens, self.per_chunk)
         self.streams, self.active, self.tokens, self.hidden = streams, active, tokens, hidden
 
     def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
@@ -156,8 +143,8 @@ class V1Plan:
         self.correct_router_bwd(stream, M, act, Q, R, w, st, xc, H, M)
         self.prediction_grads(stream, M, g, hs, st, H, M, a)
         self.predict_router_bwd(stream, M, hs, P, R, w, st, xp, H, M, a)
-        self.elementwise(stream, _ceil_div(M * slices, S.V1_THREADS), g, st, xp, xc, grad_hs, grad_act, H, M, a)
-        self.weight_grads(stream, (_ceil_div(slices, S.V1_THREADS), self.chunks), hs, act, R, w, st, pa,
+        self.elementwise(stream, ceil_div(M * slices, S.V1_THREADS), g, st, xp, xc, grad_hs, grad_act, H, M, a)
+        self.weight_grads(stream, (ceil_div(slices, S.V1_THREADS), self.chunks), hs, act, R, w, st, pa,
                           H, M, a, self.per_chunk)
         self.coef_grads(stream, (n**3 + n**2, self.chunks), st, pa, H, M, self.per_chunk)
         self.reduce(stream, pa, self.chunks, outs)
@@ -170,13 +157,13 @@ def v2_launch_shape(streams: int, hidden: int) -> tuple[int, bool, int]:
     """(slices per thread, resident, threads per block) of v2 for this N and H. v2 gives thread i
     the coefficient-gradient entry i, so a block has at least N^3 + N^2 threads."""
     slices = hidden // 8
-    min_threads = _round_up(streams**3 + streams**2, 32)
+    min_threads = round_up(streams**3 + streams**2, 32)
     if slices <= S.V2_RESIDENT_THREADS[streams]:
-        return 1, True, max(min_threads, _round_up(slices, 32))
+        return 1, True, max(min_threads, round_up(slices, 32))
     for per_thread in S.NONRESIDENT_SLICES:
-        threads = _ceil_div(slices, per_thread)
+        threads = ceil_div(slices, per_thread)
         if threads <= S.V2_NONRESIDENT_THREADS:
-            return per_thread, False, max(min_threads, _round_up(threads, 32))
+            return per_thread, False, max(min_threads, round_up(threads, 32))
     raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
 
 
@@ -204,7 +191,7 @@ def v3_launch_shape(streams: int, hidden: int) -> tuple[int, int, int]:
     one slice per thread covers H in the two-block launch bound, then one, then two slices."""
     slices = hidden // 8
     for per_thread, min_blocks in S.v3_variants(streams):
-        threads = _round_up(_ceil_div(slices, per_thread), 32)
+        threads = round_up(ceil_div(slices, per_thread), 32)
         if threads <= (S.V3_TWO_BLOCK_THREADS if min_blocks == 2 else S.V3_ONE_BLOCK_THREADS):
             return per_thread, min_blocks, threads
     raise ValueError(f"hidden size H must be at most {MAX_HIDDEN}, got {hidden}")
@@ -230,7 +217,7 @@ def _v3_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -
 def v4_threads(hidden: int) -> int:
     """Threads per v4 block: one compute thread per 8-element slice, rounded up to whole warps,
     plus the scalar warp."""
-    return _round_up(hidden // 8, 32) + 32
+    return round_up(hidden // 8, 32) + 32
 
 
 def v4_shared_bytes(streams: int, hidden: int, stages: int) -> int:
@@ -259,7 +246,7 @@ def v4_stage_choices(streams: int, hidden: int) -> list[int]:
 def v4_launch_plan(streams: int, hidden: int, static_bytes: int = S.V4_STATIC_SHARED_BOUND,
                    stages: int | None = None) -> int:
     """Ring stages of v4: the most that fit one block's shared memory, or `stages` if fixed
-    (v4_plan_override); a choice that does not fit raises ValueError."""
+    (v4_plan's `stages`); a choice that does not fit raises ValueError."""
     if not v4_supported(streams, hidden):
         raise ValueError(f"v4 does not apply to N = {streams}, H = {hidden}: its shared-memory ring "
                          f"does not fit (H <= 2560 needed); use version 3")
@@ -269,45 +256,24 @@ def v4_launch_plan(streams: int, hidden: int, static_bytes: int = S.V4_STATIC_SH
     raise ValueError(f"v4 with {stages} stages does not fit N = {streams}, H = {hidden}")
 
 
-# Ring stages that v4 launches with instead of v4_launch_plan's choice (None: the default). Set
-# only through v4_plan_override; part of the plan cache's key.
-_v4_stages_override: int | None = None
-
-
-@contextlib.contextmanager
-def v4_plan_override(stages: int | None = None) -> Iterator[None]:
-    """Launch v4 with this many ring stages inside the block (the tuning sweep and the tests that
-    cover every plan); a count that does not fit the shape raises ValueError at the call."""
-    global _v4_stages_override
-    saved, _v4_stages_override = _v4_stages_override, stages
-    try:
-        yield
-    finally:
-        _v4_stages_override = saved
-
-
-def _v4_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> FusedPlan:
-    return _v4_plan_with_stages(streams, active, tokens, hidden, device, _v4_stages_override)
-
-
 @functools.lru_cache(maxsize=256)
-def _v4_plan_with_stages(streams, active, tokens, hidden, device, stages_override) -> FusedPlan:
+def v4_plan(streams: int, active: int, tokens: int, hidden: int, device: int,
+            stages: int | None = None) -> FusedPlan:
+    """v4's plan of one shape: `stages` ring stages (the tuning sweep, the tests of every stage
+    count; a count that does not fit raises ValueError), or None: the most that fit one block."""
     with torch.cuda.device(device):
-        return _build_v4_plan(streams, active, tokens, hidden, device, stages_override)
+        kernel = S.PREDICT_CORRECT_BACKWARD_V4.kernel(f"predict_correct_backward_v4<{streams}, {active}>")
+        stages, shared, threads, blocks = _ring_launch(kernel, streams, tokens, hidden, device, stages)
+        return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden, (stages,), ("i32",))
 
 
-def _ring_launch(kernel, streams, tokens, hidden, device, stages_override) -> tuple[int, int, int, int]:
-    """(stages, dynamic shared bytes, threads, blocks) of a v4-style ring kernel (v4, v5)."""
-    stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, stages_override)
+def _ring_launch(kernel, streams, tokens, hidden, device, stages) -> tuple[int, int, int, int]:
+    """(stages, dynamic shared bytes, threads, blocks) of a v4-style ring kernel (v4, v5); stages
+    None: the most that fit."""
+    stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, stages)
     shared = v4_shared_bytes(streams, hidden, stages)
     threads = v4_threads(hidden)
     return stages, shared, threads, _grid(kernel, threads, shared, 1, tokens, device, carveout_shared=True)
-
-
-def _build_v4_plan(streams, active, tokens, hidden, device, stages_override) -> FusedPlan:
-    kernel = S.PREDICT_CORRECT_BACKWARD_V4.kernel(f"predict_correct_backward_v4<{streams}, {active}>")
-    stages, shared, threads, blocks = _ring_launch(kernel, streams, tokens, hidden, device, stages_override)
-    return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden, (stages,), ("i32",))
 
 
 # ---- v5 -----------------------------------------------------------------------------------------
@@ -323,7 +289,7 @@ def v5_group_size(blocks: int) -> int:
 
 def v5_ticket_count(blocks: int) -> int:
     """v5's arrival counters: one per group, then one over the groups."""
-    return _ceil_div(blocks, v5_group_size(blocks)) + 1
+    return ceil_div(blocks, v5_group_size(blocks)) + 1
 
 
 class V5Plan:
@@ -378,7 +344,7 @@ VERSIONS = {
                lambda streams, hidden: True, _cached(_v3_plan)),
     4: Version(4, "rows streamed into a shared-memory ring by the bulk-copy engine; scalar warp",
                (S.PREDICT_CORRECT_BACKWARD_V4, S.PREDICT_CORRECT_BACKWARD_REDUCE),
-               v4_supported, _v4_plan),
+               v4_supported, v4_plan),
     5: Version(5, "v4 with the weight gradients' cross-block sum in the kernel (arrival tickets): one launch",
                (S.PREDICT_CORRECT_BACKWARD_V5,), v4_supported, _cached(_v5_plan)),
 }

@@ -9,10 +9,10 @@ from functools import lru_cache
 
 import torch
 
-from .. import _cublas, collapse
+from ... import _cublas, collapse
 from ..bench import Impl, OpBench
-from ..ops.collapse_versions import PREFERENCE, VERSIONS
-from ..reference import collapse_reference
+from ...ops.collapse_versions import PREFERENCE, VERSIONS
+from ...reference import collapse_reference
 from ..workloads import Workload, collapse_inputs
 from . import cupy_cublas, versions
 

@@ -18,18 +18,9 @@ class Ceilings:
     copy_bytes_per_s: float  # measured device-to-device copy, bytes read + written per second
     cublas_bf16_flops: float  # measured cuBLAS bf16 GEMM, 8192 x 8192 x 8192
 
-    @property
-    def ridge_flop_per_byte(self) -> float:
-        """Arithmetic intensity above which the datasheet roofline is compute-bound."""
-        return self.bf16_flops / self.hbm_bytes_per_s
-
     def sol_seconds(self, flops: float, compulsory_bytes: float) -> float:
         """Speed of light: the larger of the datasheet compute time and memory time."""
         return max(flops / self.bf16_flops, compulsory_bytes / self.hbm_bytes_per_s)
-
-    def copy_floor_seconds(self, compulsory_bytes: float) -> float:
-        """Time a plain device copy takes to move `compulsory_bytes` (the measured memory floor)."""
-        return compulsory_bytes / self.copy_bytes_per_s
 
 
 H200 = Ceilings(gpu="NVIDIA H200", bf16_flops=989.4e12, hbm_bytes_per_s=4.8e12,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ._paths import REPO_ROOT
 from .ceilings import H200
+from .paths import REPO_ROOT
 from .workloads import Workload, tolerance_report
 
 L2_FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MiB L2
@@ -83,7 +83,7 @@ def run_info() -> dict:
 
     sha = os.environ.get("ALTUP_GIT_SHA")
     if not sha and REPO_ROOT is None:
-        from . import __version__
+        from .. import __version__
 
         sha = f"v{__version__}"
     elif not sha:
@@ -196,7 +196,7 @@ def measure(bench: OpBench, workloads: Sequence[Workload], suite: str, reps: int
     CSV rows."""
     import torch
 
-    from ._extras import require
+    from .._extras import require
 
     tqdm = require("tqdm.auto", "bench", "tqdm").tqdm
 

@@ -1,10 +1,10 @@
 """Every figure of the project, regenerated from the recorded CSV files alone (no GPU, seconds).
 
-    from altup_cupy.figures import regenerate
+    from altup_cupy.lab.figures import regenerate
     regenerate("results/nvidia-h200", "figures")      # -> list of the PNG paths written
 
 Inputs: `results/<gpu>/bench_{op}_{suite}.csv` (schema `bench.CSV_COLUMNS`); the ceilings come from
-`altup_cupy.ceilings`. An op or suite whose CSV is absent is skipped with a message; nothing else
+`altup_cupy.lab.ceilings`. An op or suite whose CSV is absent is skipped with a message; nothing else
 is read. Output PNGs are deterministic: the same CSVs and the same
 matplotlib give byte-identical files (no software tag or timestamp in the PNG, fixed rcParams),
 so a test can check that `figures/` is what the committed data regenerates.
@@ -36,10 +36,10 @@ import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from ._extras import require
-from ._paths import FIGURES_DIR, RECORDED_RESULTS_DIR
+from .._extras import require
 from .bench import csv_path, read_csv
 from .ceilings import H200
+from .paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from .workloads import OPS, SUITES
 
 OURS = "altup_cupy"  # the implementation every speedup is measured for

@@ -21,12 +21,11 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from ._device import gpu_status
-from ._paths import RECORDED_RESULTS_DIR, REPO_ROOT
+from .._device import gpu_status
 from .bench import csv_path, read_csv, run_info
 from .figures import parse_rows
+from .paths import PACKAGE_DIR, RECORDED_RESULTS_DIR, REPO_ROOT
 
-PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def results_dir() -> Path:
@@ -170,7 +169,7 @@ def version_table(op: str, rows: Sequence[dict] = ()) -> str:
     """Markdown: `op`'s kernel versions as its registry (`altup_cupy.ops.<op>_versions`) lists them,
     with the compute capability each needs, what it changed, whether `rows` hold it as its own
     `altup_cupy_v<n>` line, and the order in which the default `altup_cupy` picks among them."""
-    registry = importlib.import_module(f"{__package__}.ops.{op}_versions")
+    registry = importlib.import_module(f"altup_cupy.ops.{op}_versions")
     listed = {row["impl"] for row in rows}
     lines = ["| version | needs compute capability | what it changed | its own line in these results |",
              "|---|---:|---|---|"]

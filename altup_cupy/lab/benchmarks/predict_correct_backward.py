@@ -7,11 +7,11 @@ from functools import lru_cache
 
 import torch
 
-from .. import predict_correct_backward
+from ... import predict_correct_backward
 from ..bench import Impl, OpBench, copy_floor
-from ..ops.predict_correct_backward import INPUT_NAMES as ARG_NAMES
-from ..ops.predict_correct_backward_versions import PREFERENCE, VERSIONS
-from ..reference import predict_correct_autograd, predict_correct_backward_reference
+from ...ops.predict_correct_backward import INPUT_NAMES as ARG_NAMES
+from ...ops.predict_correct_backward_versions import PREFERENCE, VERSIONS
+from ...reference import predict_correct_autograd, predict_correct_backward_reference
 from ..workloads import Workload, predict_correct_backward_inputs
 from . import versions
 

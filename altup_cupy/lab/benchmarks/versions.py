@@ -12,7 +12,7 @@ from ..bench import Impl
 def impls(versions: Mapping, preference, prepare: Callable, w) -> tuple[Impl, ...]:
     import torch
 
-    from .._device import facts
+    from ..._device import facts
 
     capability, _ = facts(torch.cuda.current_device())
     runnable = [v.number for v in versions.values() if v.runs_on(capability, w.streams, w.hidden)]

@@ -1,9 +1,10 @@
-"""Where the package reads and writes its files: one home for every path.
+"""Where the research tools read and write their files: one home for every path.
 
 Measurements live in `results/<gpu slug>/` (the slug of "NVIDIA H200" is `nvidia-h200`), one folder
 per GPU model so that no GPU's run overwrites another's. Run from a checkout of the repository, the
 recorded results, figures and README are the repository's; run from an installed package, they are
-looked up under the current directory, and the package's own folder is never written to.
+looked up under the current directory, and the package's own folder is never written to. The
+runtime (everything outside `altup_cupy.lab`) reads no file of the checkout but its kernel sources.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # altup_cupy/
 # The GPU whose measurements the repository records (results/nvidia-h200/, figures/, README tables).
 RECORDED_GPU = "NVIDIA H200"
 RESULTS_DIRNAME = "results"

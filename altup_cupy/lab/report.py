@@ -26,11 +26,11 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from ._paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from .bench import csv_path, read_csv
 from .ceilings import H200
 from .figures import (OP_TITLES, OURS, bandwidth_points, geomean, impl_order, impl_role,
                       impl_version, parse_rows, provenance, workloads_by_tokens)
+from .paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from .workloads import OPS, SUITES
 
 BEGIN_MARKER = "<!-- results:begin -->"

@@ -1,0 +1,81 @@
+"""What `_launch.PackedLaunch` hands the driver, on the CPU: the driver's launch call is replaced
+by one that reads the argument slots the way cuLaunchKernel does (each kernel parameter's bytes at
+the address the parameter array holds for it)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import types
+
+import pytest
+
+from altup_cupy._launch import ByValue, PackedLaunch, ceil_div, round_up
+from altup_cupy.ops import collapse_hopper
+
+
+@pytest.fixture
+def driver_calls(monkeypatch):
+    """The launches made while the fixture is active: (function, grid, block, shared bytes,
+    stream, [each parameter's first `sizes[i]` bytes]), read during the call."""
+    calls, sizes = [], []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        pointers = (ctypes.c_void_p * len(sizes)).from_address(params)
+        values = [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
+        calls.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values))
+
+    cupy, cuda, driver = (types.ModuleType(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.driver"))
+    driver.launchKernel, cuda.driver, cupy.cuda = launch_kernel, driver, cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.driver", driver)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return calls, sizes
+
+
+def _kernel(function: int):
+    """What PackedLaunch reads of a CuPy RawKernel: its CUfunction on the current device."""
+    return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=function))
+
+
+def test_scalars_each_in_their_own_slot(driver_calls):
+    calls, sizes = driver_calls
+    sizes += [8, 4, 8, 4]
+    launch = PackedLaunch(_kernel(0xF00), 256, 1024, ("ptr", "i32", "i64", "f32"))
+    launch(0x5EED, (7, 3), 0x7F0000001000, -5, 1 << 40, 0.25)
+    launch(0x5EED, 9, 0x10, 6, 7, 8.0)  # the slots serve the next call at once
+    (function, grid, block, shared, stream, values), second = calls
+    assert (function, grid, block, shared, stream) == (0xF00, (7, 3, 1), (256, 1, 1), 1024, 0x5EED)
+    assert values == [struct.pack("=Q", 0x7F0000001000), struct.pack("=i", -5), struct.pack("=q", 1 << 40),
+                      struct.pack("=f", 0.25)]
+    assert second[1] == (9, 1, 1) and second[5][1] == struct.pack("=i", 6)
+
+
+def test_a_struct_by_value_is_one_parameter_of_its_fields(driver_calls):
+    calls, sizes = driver_calls
+    sizes += [4, 24, 8]
+    # struct { char name[8]; int count; /* 4 bytes of padding */ unsigned long long address; }
+    launch = PackedLaunch(_kernel(1), 32, 0, ("i32", ByValue("8si4xQ"), "ptr"))
+    launch(0, 1, 3, b"abc", -1, 0xABC, 0xDEF)
+    values = calls[0][5]
+    assert values == [struct.pack("=i", 3), b"abc" + bytes(5) + struct.pack("=i4xQ", -1, 0xABC),
+                      struct.pack("=Q", 0xDEF)]
+
+
+def test_the_collapse_gemm_parameters_reach_the_kernel_as_declared(driver_calls):
+    """The Hopper GEMM's one parameter: CollapseGemmParams' bytes, the x and w map slots padded
+    with zeros for N < 4, every field at the offset tests/test_collapse_hopper.py checks."""
+    calls, sizes = driver_calls
+    sizes.append(collapse_hopper.PARAMS_BYTES)
+    launch = PackedLaunch(_kernel(2), collapse_hopper.THREADS, collapse_hopper.SHARED_BYTES,
+                          (collapse_hopper.PARAMS,))
+    fields = (b"x" * 256, b"w" * 256, 1, 2, 613, 2056, 2, 5, 9, 33, 1, 33, 90, 3, 4, 5, 1e-5)
+    launch(0, 132, *fields)
+    (params,) = calls[0][5]
+    assert params == struct.pack("=" + collapse_hopper.PARAMS.layout, *fields)
+    assert params[256:384] == bytes(128) and params[640:768] == bytes(128)
+
+
+def test_ceil_div_and_round_up():
+    assert [ceil_div(a, 4) for a in (0, 1, 4, 5)] == [0, 1, 1, 2]
+    assert [round_up(a, 32) for a in (1, 32, 33)] == [32, 32, 64]
