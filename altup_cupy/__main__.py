@@ -125,12 +125,19 @@ def cmd_bench(args) -> int:
 def cmd_check(args) -> int:
     usable, why = gpu_status()
     if not usable:
+        from ._build import load_nvrtc
         from .lab.compile_report import CHECK_ARCHS, check_all
 
+        load_nvrtc()  # before any output: a missing extra is one line, not one per compile
         print(f"No GPU: {why}. Checking what needs none: every kernel source compiles for "
               f"{', '.join(CHECK_ARCHS)} with no spills and no stack frame.")
         return check_all()
 
+    if args.seed is None:
+        import random
+
+        args.seed = random.SystemRandom().randrange(1 << 30)
+        print(f"seed {args.seed}")
     failed = 0
     from .lab.benchmarks import op_bench
     from .lab.check import verify
@@ -205,11 +212,6 @@ def main(argv=None) -> int:
     if rest and not (args.command == "bench" and args.suite == MODEL_SUITE):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.model_args = rest
-    if getattr(args, "command", None) == "check" and args.seed is None:
-        import random
-
-        args.seed = random.SystemRandom().randrange(1 << 30)
-        print(f"seed {args.seed}")
     try:
         return args.func(args)
     except MissingExtraError as error:

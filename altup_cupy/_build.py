@@ -9,9 +9,10 @@ text (recursively, each header once), so NVRTC needs no include path and no CUDA
   `cupy.RawModule` for the device's own architecture (cached by CuPy in memory and on disk), and
   refuses a device older than the source's `min_arch`.
 - Without a GPU, `compile_offline(source, arch)` compiles the same text with the same options for
-  any architecture through `cuda.bindings.nvrtc` (pip: cuda-bindings + nvidia-cuda-nvrtc) and
-  reads ptxas' report (`altup_cupy.lab.compile_report` does it for every source and architecture:
-  `python -m altup_cupy check` without a GPU). The sm_90a sources are built this way on a GPU too.
+  any architecture through `cuda.bindings.nvrtc` (the `nvrtc` extra: cuda-bindings and
+  nvidia-cuda-nvrtc) and reads ptxas' report (`altup_cupy.lab.compile_report` does it for every
+  source and architecture: `python -m altup_cupy check` without a GPU). The sm_90a sources are
+  built this way on a GPU too.
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from ._extras import missing, require
+
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
-# No --use_fast_math: tanh, rsqrt and division keep their IEEE-accurate fp32 versions.
-NVRTC_OPTIONS = ("-std=c++17",)
+# Every NVRTC compile of the package, on a GPU (cupy.RawModule) and offline (compile_offline, the
+# sm_90a cubins, `check`), gets these options and the architecture, nothing else. CuPy adds the
+# last two to every RawModule compile itself; they are stated here so that the offline build is
+# the one a GPU runs: unannotated functions (lambdas) are device code, and fp32 denormals are
+# flushed to zero. No --use_fast_math: tanh, rsqrt and division keep their IEEE-accurate fp32
+# versions.
+NVRTC_OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-ftz=true")
 # Every define reaches the kernels under this prefix, so a source's own names cannot collide.
 DEFINE_PREFIX = "ALTUP_"
 _INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
@@ -78,7 +86,7 @@ class KernelSource:
         return _paste_includes(KERNELS_DIR / self.filename, set())
 
     def options(self) -> tuple[str, ...]:
-        """NVRTC options other than the architecture: the language standard and the defines."""
+        """NVRTC options other than the architecture: NVRTC_OPTIONS and the defines."""
         return NVRTC_OPTIONS + tuple(f"-D{DEFINE_PREFIX}{name}={value}" for name, value in self.defines.items())
 
     def target_arch(self, compute_capability: int) -> str:
@@ -201,16 +209,28 @@ def parse_ptxas_log(log: str) -> tuple[KernelResources, ...]:
     return tuple(kernels)
 
 
+NVRTC_EXTRA = "nvrtc"
+
+
+def load_nvrtc():
+    """cuda.bindings.nvrtc with the NVRTC library loaded, or a MissingExtraError naming the extra."""
+    nvrtc = require("cuda.bindings.nvrtc", NVRTC_EXTRA, "cuda-bindings")
+    try:
+        nvrtc.nvrtcVersion()
+    except RuntimeError as error:  # the bindings load libnvrtc on first use: it was not found
+        raise missing("the NVRTC library (nvidia-cuda-nvrtc)", NVRTC_EXTRA) from error
+    return nvrtc
+
+
 def compile_offline(source: KernelSource, arch: str) -> OfflineBuild:
     """Compile `source` for `arch` ('sm_80', 'sm_90a', ...) to a cubin with NVRTC from pip; needs
     no GPU and no driver. An architecture the source does not support raises ValueError."""
-    from cuda.bindings import nvrtc
-
     number = arch_number(arch)
     if not source.supports(number):
         raise ValueError(f"{source.filename} needs sm_{source.min_arch} or newer, got arch={arch!r}")
     if source.needs_sm90a and arch != "sm_90a":
         raise ValueError(f"{source.filename} needs the sm_90a target, got arch={arch!r}")
+    nvrtc = load_nvrtc()
 
     def check(result, what):
         status = result[0] if isinstance(result, tuple) else result

@@ -3,26 +3,75 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 
 import torch
 
+from ._extras import missing
+
 MIN_COMPUTE_CAPABILITY = 80  # Ampere (8.0): cp.async, bf16 conversions, 16-byte streaming loads
 
 
+# The CUDA runtime's error codes that say what is missing (cudaError_t).
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35
+CUDA_ERROR_NO_DEVICE = 100
+
+
+def _cuda_version(number: int) -> str:
+    """12080 -> '12.8'."""
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def driver_cuda_version() -> int | None:
+    """The CUDA version the installed NVIDIA driver supports (13000 for 13.0), or None where no
+    driver library (libcuda.so.1) can be loaded. Needs no device and initialises nothing."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value
+
+
 def gpu_status() -> tuple[bool, str]:
-    """(usable, why not): the kernels need CuPy and torch both seeing a CUDA device."""
+    """(usable, why not, in plain words): the kernels need an NVIDIA driver, a CUDA device, CuPy
+    built for a CUDA the driver supports, and a CUDA build of torch."""
+    driver = driver_cuda_version()
+    if driver is None:
+        return False, "no NVIDIA driver is installed (libcuda.so.1 cannot be loaded)"
     try:
         import cupy
-
+    except ModuleNotFoundError:
+        return False, str(missing("CuPy", "gpu"))
+    except ImportError as error:  # installed, but its own libraries do not load
+        return False, f"CuPy is installed but cannot be imported ({error})"
+    try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # ImportError, or a CUDA runtime error without a driver
-        return False, f"CuPy cannot reach a CUDA GPU ({type(error).__name__}: {error})"
+    except Exception as error:  # cupy.cuda.runtime.CUDARuntimeError: its status says what is missing
+        status = getattr(error, "status", None)
+        if status == CUDA_ERROR_NO_DEVICE:
+            count = 0
+        elif status == CUDA_ERROR_INSUFFICIENT_DRIVER:
+            runtime = cupy.cuda.runtime.runtimeGetVersion()
+            return False, (f"the NVIDIA driver is too old for this CuPy: it supports CUDA up to {_cuda_version(driver)}, "
+                           f"CuPy is built for CUDA {_cuda_version(runtime)}; update the driver, or install "
+                           f"cupy-cuda{driver // 1000}x (README, \"Install\")")
+        else:
+            return False, f"CuPy cannot reach a CUDA GPU ({type(error).__name__}: {error})"
     if count == 0:
-        return False, "CuPy sees no CUDA device"
+        return False, f"an NVIDIA driver (CUDA {_cuda_version(driver)}) is installed, but no CUDA device is visible"
     if not torch.cuda.is_available():
-        return False, "torch sees no CUDA device"
+        built_for = torch.version.cuda
+        if built_for is None:
+            return False, f"this torch is a CPU-only build ({torch.__version__}); install a CUDA build (README, \"Install\")"
+        if driver // 1000 < int(built_for.split(".")[0]):  # within a major release, minor versions are compatible
+            return False, (f"the NVIDIA driver is too old for this torch: it supports CUDA up to "
+                           f"{_cuda_version(driver)}, torch {torch.__version__} is built for CUDA {built_for}")
+        return False, f"torch {torch.__version__} (built for CUDA {built_for}) sees no CUDA device"
     return True, ""
 
 

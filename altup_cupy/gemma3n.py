@@ -20,8 +20,8 @@ replacements on the modules of one instance:
 
 Where the kernels do not serve a call (not CUDA, not bfloat16, N outside 2..4, H % 8 != 0 or
 H > 3072), the call warns once and runs transformers' own code: never a wrong answer.
-`patch(serve_cpu=True)` sends CPU tensors of any float dtype through the operators' float32 CPU
-reference instead (for testing the integration without a GPU).
+`patch(serve_cpu=True)` sends CPU tensors through the operators' CPU reference instead (for testing
+the integration without a GPU) where they share one dtype it takes: bfloat16, float32 or float64.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import torch
 
 from . import gemma3n_forward, gemma3n_ops
 from . import torch as altup
+from ._extras import missing
+from .ops.collapse import CPU_DTYPES
 
 _MODELING = "transformers.models.gemma3n.modeling_gemma3n"
 _PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextModel": ("forward",)}
@@ -45,7 +47,7 @@ def _modeling():
     try:
         return importlib.import_module(_MODELING)
     except ImportError as error:
-        raise ImportError("altup_cupy.gemma3n needs transformers >= 5.17: pip install \"altup_cupy[gemma3n]\"") from error
+        raise missing("transformers with Gemma 3n (>= 5.17)", "gemma3n", error.name) from error
 
 
 def _original(cls: type, name: str):
@@ -53,15 +55,21 @@ def _original(cls: type, name: str):
     return _originals.get((cls, name), cls.__dict__[name])
 
 
+def _dtypes(tensors) -> list[str]:
+    return sorted({str(t.dtype) for t in tensors})
+
+
 def _unserved(what: str, tensors, streams: int, hidden: int) -> str | None:
     """Why the kernels cannot take this call (warned once per reason), or None."""
     first = tensors[0]
     if first.device.type == "cpu" and _settings["serve_cpu"]:
-        return None
-    if first.device.type != "cuda":
+        if first.dtype in CPU_DTYPES and all(t.dtype == first.dtype for t in tensors):
+            return None
+        reason = f"dtype {_dtypes(tensors)} (the CPU reference takes one of bfloat16, float32 and float64)"
+    elif first.device.type != "cuda":
         reason = f"tensors on {first.device.type} (the kernels run on CUDA)"
     elif any(t.dtype != torch.bfloat16 for t in tensors):
-        reason = f"dtype {sorted({str(t.dtype) for t in tensors})} (the kernels take bfloat16)"
+        reason = f"dtype {_dtypes(tensors)} (the kernels take bfloat16)"
     else:
         reason = gemma3n_ops.cuda_serves(streams, hidden)
     if reason is not None:

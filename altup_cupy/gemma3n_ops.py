@@ -24,8 +24,10 @@ from typing import Sequence
 
 import torch
 
+from . import _arrays
 from . import gemma3n_kernels as cuda
 from ._operators import operator
+from .ops.collapse import CPU_DTYPES
 from .reference import gemma3n as ref
 
 BF16 = torch.bfloat16
@@ -33,9 +35,22 @@ BF16 = torch.bfloat16
 
 # ---- validation: named errors before anything runs -------------------------------------------
 
-def _check_tensor(name: str, t, shape: tuple, dims: str) -> None:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_tensor(name: str, t, shape: tuple, dims: str, dtype: torch.dtype | None = None) -> None:
+    """A tensor of this shape (None: any extent). dtype: the one every input of the call shares
+    (the first input's). On the CPU, the dtypes the top-level ops' CPU reference takes; on CUDA,
+    _check_cuda asks for bf16."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {_dtype_name(dtype)} (that of the first tensor: one dtype per "
+                        f"call), got {_dtype_name(t.dtype)}")
+    if t.device.type == "cpu" and t.dtype not in CPU_DTYPES:
+        *others, last = map(_dtype_name, CPU_DTYPES)
+        raise TypeError(f"{name} must have dtype {', '.join(others)} or {last} on the CPU, got {_dtype_name(t.dtype)}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
@@ -50,13 +65,13 @@ def _check_streams_rows(streams_name: str, streams_t, rows: Sequence[tuple[str, 
     if not 2 <= n:
         raise ValueError(f"{streams_name} must hold N >= 2 streams (dim 0), got {n}")
     for name, t in rows:
-        _check_tensor(name, t, (b, s, h), "B S H")
+        _check_tensor(name, t, (b, s, h), "B S H", streams_t.dtype)
     return n, h
 
 
-def _check_router(streams, hidden, router_weight, norm_weight):
-    _check_tensor("router_weight", router_weight, (streams, hidden), "N H")
-    _check_tensor("norm_weight", norm_weight, (hidden,), "H")
+def _check_router(streams, hidden, router_weight, norm_weight, dtype):
+    _check_tensor("router_weight", router_weight, (streams, hidden), "N H", dtype)
+    _check_tensor("norm_weight", norm_weight, (hidden,), "H", dtype)
 
 
 def _check_active(active_idx, streams):
@@ -70,12 +85,12 @@ def _named_projections(projections) -> list[tuple[str, torch.Tensor]]:
     return [(f"projections[{i}]", w) for i, w in enumerate(projections)]
 
 
-def _check_projections(projections, streams, hidden):
+def _check_projections(projections, streams, hidden, dtype):
     if len(projections) != streams - 1:
         raise ValueError(f"projections must hold N-1 = {streams - 1} matrices for N = {streams} streams, "
                          f"got {len(projections)}")
     for name, w in _named_projections(projections):
-        _check_tensor(name, w, (hidden, hidden), "H H")
+        _check_tensor(name, w, (hidden, hidden), "H H", dtype)
 
 
 def cuda_serves(streams: int, hidden: int) -> str | None:
@@ -123,8 +138,8 @@ def _router_grad_dtype(t: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx):
     streams, hidden = _check_streams_rows("hidden_states", hidden_states)
-    _check_tensor("prediction_coefs", prediction_coefs, (streams * streams, streams), "N*N N")
-    _check_router(streams, hidden, router_weight, norm_weight)
+    _check_tensor("prediction_coefs", prediction_coefs, (streams * streams, streams), "N*N N", hidden_states.dtype)
+    _check_router(streams, hidden, router_weight, norm_weight, hidden_states.dtype)
     _check_active(active_idx, streams)
     return streams, hidden
 
@@ -195,8 +210,8 @@ def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_wei
 
 def _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx):
     streams, hidden = _check_streams_rows("predictions", predictions, [("activated", activated)])
-    _check_tensor("correction_coefs", correction_coefs, (streams, streams), "N N")
-    _check_router(streams, hidden, router_weight, norm_weight)
+    _check_tensor("correction_coefs", correction_coefs, (streams, streams), "N N", predictions.dtype)
+    _check_router(streams, hidden, router_weight, norm_weight, predictions.dtype)
     _check_active(active_idx, streams)
     return streams, hidden
 
@@ -259,13 +274,12 @@ def _(grad_corrected, predictions, activated, correction_coefs, router_weight, n
 def _validate_expand(embeddings, projections):
     _check_tensor("embeddings", embeddings, (None, None, None), "B S H")
     streams, hidden = len(projections) + 1, embeddings.shape[-1]
-    _check_projections(projections, streams, hidden)
+    _check_projections(projections, streams, hidden, embeddings.dtype)
     return streams, hidden
 
 
 def _check_floor(floor):
-    if not floor > 0:
-        raise ValueError(f"floor must be > 0, got {floor}")
+    _arrays.positive_finite("floor", floor)
 
 
 @operator("expand(Tensor embeddings, Tensor[] projections, float floor) -> (Tensor, Tensor)")
@@ -325,7 +339,7 @@ def _(grad_streams, embeddings, projections, projected, floor):
 
 def _validate_collapse(hidden_states, projections):
     streams, hidden = _check_streams_rows("hidden_states", hidden_states)
-    _check_projections(projections, streams, hidden)
+    _check_projections(projections, streams, hidden, hidden_states.dtype)
     return streams, hidden
 
 

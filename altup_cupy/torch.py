@@ -18,6 +18,12 @@ The router is route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)) with s = router_
 default (transformers' models use their `router_input_scale` buffer: 1 / H rounded to the model's
 dtype). No coefficient clipping happens here: a caller that clips (transformers in training mode)
 passes clipped weights (see `altup_cupy.gemma3n`).
+
+Inputs are checked as the top-level ops check theirs, under the same names: on CUDA every tensor
+is bfloat16; on the CPU (the reference: float32, float64 for float64 inputs) the tensors of a call
+share one dtype, bfloat16, float32 or float64; eps, floor and router_scale are finite and > 0; a
+failed check raises TypeError or ValueError naming the argument. `collapse` is the
+top-level `altup_cupy.collapse` operator with a backward, and takes its arguments.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from . import gemma3n_ops  # noqa: F401  (registers the operators)
+from . import _arrays, gemma3n_ops  # noqa: F401  (gemma3n_ops registers the operators)
 from .reference.gemma3n import MAGNITUDE_FLOOR
 
 _ops = torch.ops.altup_cupy
@@ -37,7 +43,7 @@ def _like(grad, t):
 
 
 def _router_scale(router_scale, x):
-    return 1.0 / x.shape[-1] if router_scale is None else float(router_scale)
+    return 1.0 / x.shape[-1] if router_scale is None else _arrays.positive_finite("router_scale", router_scale)
 
 
 def _register_routed_autograd(op: str) -> None:
@@ -69,8 +75,8 @@ def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_
             router_scale: float | None = None) -> torch.Tensor:
     """pred_i = h_i + sum_j C[i][j] h_j with C = reshape(P route(h_a), [N, N]); [N, B, S, H].
     router_scale: the s of route (module docstring); None: 1 / H."""
-    return _ops.predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps,
-                        _router_scale(router_scale, hidden_states))
+    return _ops.predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx,
+                        _arrays.positive_finite("eps", eps), _router_scale(router_scale, hidden_states))
 
 
 # ---- correct -----------------------------------------------------------------------------------
@@ -83,8 +89,8 @@ def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs
             eps: float = 1e-6, router_scale: float | None = None) -> torch.Tensor:
     """corrected_i = pred_i + k_i (activated - pred_a), k = Q route(activated) + 1; [N, B, S, H].
     router_scale: the s of route (module docstring); None: 1 / H."""
-    return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
-                        _router_scale(router_scale, activated))
+    return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx,
+                        _arrays.positive_finite("eps", eps), _router_scale(router_scale, activated))
 
 
 # ---- expansion ---------------------------------------------------------------------------------
@@ -109,7 +115,7 @@ def expand(embeddings: torch.Tensor, projections: Sequence[torch.Tensor],
            floor: float = MAGNITUDE_FLOOR) -> torch.Tensor:
     """[N, B, S, H]: stream 0 = embeddings, stream k = x0 W_k^T rescaled to x0's RMS (mean square
     floored at `floor`, transformers' 1e-5)."""
-    return _ops.expand(embeddings, list(projections), floor)[0]
+    return _ops.expand(embeddings, list(projections), _arrays.positive_finite("floor", floor))[0]
 
 
 # ---- collapse ----------------------------------------------------------------------------------
@@ -131,7 +137,9 @@ def _collapse_backward(ctx, grad):
 torch.library.register_autograd("altup_cupy::collapse", _collapse_backward, setup_context=_collapse_setup)
 
 
-def collapse(hidden_states: torch.Tensor, projections: Sequence[torch.Tensor],
-             floor: float = MAGNITUDE_FLOOR) -> torch.Tensor:
-    """[B, S, H] = (s_0 + sum_k y_k rms(s_0) / sqrt(max(mean(y_k^2), floor))) / N, y_k = s_k U_k^T."""
-    return _ops.collapse(hidden_states, list(projections), floor)
+def collapse(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
+             eps: float = MAGNITUDE_FLOOR) -> torch.Tensor:
+    """[B, S, H] = (s_0 + sum_k y_k rms(s_0) / sqrt(max(mean(y_k^2), eps))) / N, y_k = s_k U_k^T:
+    `altup_cupy.collapse` (the same arguments; eps: the floor of the projections' mean square,
+    transformers' 1e-5) with its backward registered."""
+    return _ops.collapse(hidden_states, list(unembed_projs), _arrays.positive_finite("eps", eps))

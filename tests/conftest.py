@@ -1,8 +1,9 @@
 """Shared test machinery.
 
 - `gpu` marker: a test (or module, via `pytestmark = pytest.mark.gpu`) that needs a CUDA GPU and
-  CuPy. Without them every such test is SKIPPED with the reason
-  "no CUDA GPU: cupy not installed / no device (...)" -- never run, never counted as passed.
+  CuPy. Without them every such test is SKIPPED with the reason "no usable CUDA GPU (...)", where
+  the parentheses say what was found (altup_cupy._device.gpu_status: no driver, no device, a
+  driver too old, CuPy missing, a CPU build of torch) -- never run, never counted as passed.
   Set ALTUP_REQUIRE_GPU=1 (e.g. for the H200 run whose log is committed) to turn a missing GPU
   into an error instead of skips.
 - `seeds` fixture: fresh random seeds on every run, each one logged (printed in the test's
@@ -20,27 +21,18 @@ import secrets
 
 import pytest
 
-GPU_SKIP_PREFIX = "no CUDA GPU: cupy not installed / no device"
+GPU_SKIP_PREFIX = "no usable CUDA GPU"
 
 
 def _probe_gpu() -> tuple[bool, str]:
-    """(available, reason): CuPy imports, sees at least one device, and torch sees it too."""
-    try:
-        import cupy
-    except Exception as error:  # ImportError, or a CuPy that cannot load its CUDA libraries
-        return False, f"{GPU_SKIP_PREFIX} (import cupy failed: {type(error).__name__}: {error})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:
-        return False, f"{GPU_SKIP_PREFIX} (cupy found no CUDA driver/device: {error})"
-    if count < 1:
-        return False, f"{GPU_SKIP_PREFIX} (cupy sees 0 devices)"
-    try:
-        import torch
-    except Exception as error:
-        return False, f"{GPU_SKIP_PREFIX} (import torch failed: {error})"
-    if not torch.cuda.is_available():
-        return False, f"{GPU_SKIP_PREFIX} (a GPU is present but this torch build cannot use it: {torch.__version__})"
+    """(available, reason): what the package's own check says (python -m altup_cupy gives the same)."""
+    from altup_cupy._device import gpu_status
+
+    usable, why = gpu_status()
+    if not usable:
+        return False, f"{GPU_SKIP_PREFIX} ({why})"
+    import torch
+
     return True, f"GPU: {torch.cuda.get_device_name(0)}"
 
 

@@ -3,11 +3,15 @@ No GPU needed: on a machine without one, `bench` replays recorded results."""
 
 from __future__ import annotations
 
+import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from altup_cupy import __main__ as altup_main
+from altup_cupy import _extras
 from altup_cupy.__main__ import _gpu_of, main
 from altup_cupy._extras import MissingExtraError, require
 from altup_cupy.lab import paths
@@ -78,19 +82,81 @@ def test_gpu_of_reads_the_recorded_gpu(tmp_path):
     assert _gpu_of(tmp_path) == "NVIDIA H200"
 
 
-def test_a_missing_extra_is_named():
-    with pytest.raises(MissingExtraError, match=r"pip install 'altup_cupy\[figures\]'"):
+FIGURES_COMMAND = "pip install 'matplotlib>=3.8' 'pillow>=10'"
+
+
+def test_a_missing_extra_is_named_with_its_install_command():
+    with pytest.raises(MissingExtraError, match=rf"^altup_cupy_no_such_module is not installed; it comes with the "
+                                                rf"'figures' extra: {re.escape(FIGURES_COMMAND)}$"):
         require("altup_cupy_no_such_module", "figures")
     assert require("json", "figures").dumps([]) == "[]"
 
 
-def test_cli_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
-    import sys
+def test_the_install_command_is_the_extras_requirements(monkeypatch):
+    """What the installed package declares for the extra, the package's own extras expanded (it is
+    installed from a checkout, not from an index); a checkout run without installing gets the
+    editable install."""
+    assert _extras.install_command("figures") == FIGURES_COMMAND
+    nvrtc = "'cuda-bindings<14,>=13' 'nvidia-cuda-nvrtc<14,>=13'"
+    assert _extras.install_command("nvrtc") == f"pip install {nvrtc}"
+    assert _extras.install_command("gpu") == f"pip install 'cupy-cuda13x>=14' {nvrtc}"
 
+    def not_installed(distribution):
+        raise _extras.metadata.PackageNotFoundError(distribution)
+
+    monkeypatch.setattr(_extras.metadata, "requires", not_installed)
+    assert _extras.install_command("figures") == "pip install -e '.[figures]' in the checkout"
+
+
+def _one_line_naming(err: str, extra: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"it comes with the '{extra}' extra: {_extras.install_command(extra)}" in lines[0]
+    return lines[0]
+
+
+def test_cli_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
     write_synthetic(tmp_path / "r")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
     assert main(["figures", "--results-dir", str(tmp_path / "r"), "--figures-dir", str(tmp_path / "f")]) == 1
-    assert "pip install 'altup_cupy[figures]'" in capsys.readouterr().err
+    _one_line_naming(capsys.readouterr().err, "figures")
+
+
+def test_bench_replay_names_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
+    write_synthetic(tmp_path / "r")
+    monkeypatch.setattr(altup_main, "gpu_status", lambda: (False, "hidden by the test"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", "--results-dir", str(tmp_path / "r"), "--figures-dir", str(tmp_path / "f")]) == 1
+    assert _one_line_naming(capsys.readouterr().err, "figures").startswith("python -m altup_cupy bench: matplotlib")
+
+
+def test_bench_names_the_extra_when_tqdm_is_missing(monkeypatch):
+    from altup_cupy.lab import bench
+    from altup_cupy.lab.benchmarks import op_bench
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import tqdm.auto -> ModuleNotFoundError
+    with pytest.raises(MissingExtraError, match="tqdm is not installed; it comes with the 'bench' extra"):
+        bench.measure(op_bench("collapse"), [], "benchmark")
+
+
+@pytest.mark.parametrize("missing_part", ["bindings", "library"])
+def test_check_without_nvrtc_says_so_once(monkeypatch, capsys, missing_part):
+    """Without cuda-bindings, or without the NVRTC library it loads: one line naming the extra,
+    no compile attempted (not one failure per source and architecture)."""
+    monkeypatch.setattr(altup_main, "gpu_status", lambda: (False, "hidden by the test"))
+    if missing_part == "bindings":
+        monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)
+        what = "cuda-bindings is not installed"
+    else:
+        def no_library():
+            raise RuntimeError('Failure finding "libnvrtc.so.13"')
+
+        monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", types.SimpleNamespace(nvrtcVersion=no_library))
+        what = "the NVRTC library (nvidia-cuda-nvrtc) is not installed"
+    assert main(["check"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert _one_line_naming(err, "nvrtc").startswith(f"python -m altup_cupy check: {what}")
 
 
 def test_bench_model_suite_passes_its_arguments_through(tmp_path, monkeypatch):

@@ -141,6 +141,19 @@ def test_unserved_calls_warn_and_run_transformers_code(seeds, op_calls):
     assert torch.equal(out, model(input_ids=ids).last_hidden_state)
 
 
+def test_serve_cpu_leaves_dtypes_the_reference_refuses_to_transformers(seeds, op_calls):
+    """float16 on the CPU: the operators would refuse it, so the patch warns and runs
+    transformers' code."""
+    model = _model(seeds()).eval().to(torch.float16)
+    patched = copy.deepcopy(model)
+    gemma3n.patch(patched, serve_cpu=True)
+    ids = torch.randint(3, 64, (1, 6))
+    with pytest.warns(UserWarning, match=r"float16'\] \(the CPU reference takes one of bfloat16, float32"):
+        out = patched(input_ids=ids).last_hidden_state
+    assert sum(op_calls.values()) == 0
+    assert torch.equal(out, model(input_ids=ids).last_hidden_state)
+
+
 def test_unrecognised_forward_keeps_expansion_and_collapse(seeds, monkeypatch, op_calls):
     monkeypatch.setattr(gemma3n_forward, "KNOWN_FORWARDS", {})
     with pytest.warns(UserWarning, match="stay transformers' own"):

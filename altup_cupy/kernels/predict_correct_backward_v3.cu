@@ -54,11 +54,12 @@ struct V3Scalars {
 };
 
 // Warp 0 turns one token's reduced values into the broadcast coefficients, and adds this
-// token's contribution to the coefficient gradients owned by each lane.
+// token's contribution to the block's coefficient gradients (in shared memory, each entry owned
+// by one lane).
 template <int N, int A>
 __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3Scalars<N>& sc, float* __restrict__ coefs,
                                                  const float* __restrict__ P, const float* __restrict__ Q,
-                                                 float inv_h, float eps, float (&coef_grads)[SliceLayout<N>::kCoefGradsPerLane]) {
+                                                 float inv_h, float eps, float* __restrict__ coef_grads) {
     using L = SliceLayout<N>;
     const int lane = threadIdx.x & 31;
     const float r_p = rsqrtf(t[L::kSsA] * inv_h + eps);
@@ -110,11 +111,9 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
     }
     __syncwarp();
     // 6. coefficient gradients: dP[N*i+j][l] += dC_ij m_p[l], dQ[i][l] += gk_i m_c[l]
-#pragma unroll
-    for (int slot = 0; slot < L::kCoefGradsPerLane; ++slot) {
-        const int e = slot * 32 + lane;
-        if (e < N * N * N) coef_grads[slot] += sc.dC[e / N] * sc.m_p[e % N];
-        else if (e < L::kCoefGrads) coef_grads[slot] += sc.gk[(e - N * N * N) / N] * sc.m_c[(e - N * N * N) % N];
+    for (int e = lane; e < L::kCoefGrads; e += 32) {
+        if (e < N * N * N) coef_grads[e] += sc.dC[e / N] * sc.m_p[e % N];
+        else coef_grads[e] += sc.gk[(e - N * N * N) / N] * sc.m_c[(e - N * N * N) % N];
     }
     // 7. the broadcast coefficients
     for (int c = lane; c < L::kCoefs; c += 32) {
@@ -145,13 +144,17 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
 }
 
 // What v3 keeps in static shared memory: the reduction's per-warp sums, the token's totals,
-// scalars and broadcast coefficients, and the coefficient matrices in fp32 (v4: V4Shared).
+// scalars and broadcast coefficients, the block's coefficient gradients, and the coefficient
+// matrices in fp32 (v4: V4Shared). The coefficient gradients live here, not in warp 0's
+// registers: every thread runs the same code, so registers held for warp 0 are held by all, and
+// at N = 4 with two blocks per SM (96 registers a thread) they made sm_86/sm_89 builds spill.
 template <int N>
 struct V3Shared {
     float scratch[SliceLayout<N>::kValues][33];  // per-warp partial sums (+1: no bank conflicts)
     float totals[SliceLayout<N>::kValues];
     float coefs[SliceLayout<N>::kCoefs];
     V3Scalars<N> token_scalars;
+    float coef_grads[SliceLayout<N>::kCoefGrads];  // the block's dP | dQ partials
     float P[N * N * N], Q[N * N];  // read by warp 0 for every token
 };
 
@@ -160,7 +163,7 @@ struct V3Shared {
 // a barrier, with sh.coefs holding the token's broadcast coefficients.
 template <int N, int A>
 __device__ __forceinline__ void v3_reduce_token(float (&v)[SliceLayout<N>::kValuesPow2], V3Shared<N>& sh, float inv_h,
-                                                float eps, float (&coef_grads)[SliceLayout<N>::kCoefGradsPerLane]) {
+                                                float eps) {
     using L = SliceLayout<N>;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     {
@@ -171,22 +174,17 @@ __device__ __forceinline__ void v3_reduce_token(float (&v)[SliceLayout<N>::kValu
     if (warp == 0) {
         sum_warp_totals<N>(sh.scratch, sh.totals, warps);
         __syncwarp();
-        v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs, sh.P, sh.Q, inv_h, eps, coef_grads);
+        v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs, sh.P, sh.Q, inv_h, eps, sh.coef_grads);
     }
     __syncthreads();
 }
 
-// Warp 0's lanes hold the block's coefficient-gradient partials (dP then dQ, lane-strided).
+// Warp 0 writes the block's coefficient-gradient partials (dP then dQ), each lane the entries it
+// accumulated.
 template <int N>
-__device__ __forceinline__ void v3_write_coef_partials(float* __restrict__ part, const float (&coef_grads)[SliceLayout<N>::kCoefGradsPerLane],
+__device__ __forceinline__ void v3_write_coef_partials(float* __restrict__ part, const float* __restrict__ coef_grads,
                                                        const int hidden) {
-    using L = SliceLayout<N>;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < L::kCoefGradsPerLane; ++i) {
-        const int e = i * 32 + lane;
-        if (e < L::kCoefGrads) part[(N + 1) * hidden + e] = coef_grads[i];
-    }
+    for (int e = threadIdx.x & 31; e < SliceLayout<N>::kCoefGrads; e += 32) part[(N + 1) * hidden + e] = coef_grads[e];
 }
 
 template <int N, int A, int SLICES, int MIN_BLOCKS>
@@ -195,7 +193,8 @@ predict_correct_backward_v3(SINGLE_PASS_BACKWARD_PARAMETERS) {
     using L = SliceLayout<N>;
     extern __shared__ float S[];  // [N][SLICES][8][blockDim.x]: this block's S
     __shared__ V3Shared<N> sh;
-    stage_coefficients<N>(sh, P, Q);
+    for (int e = threadIdx.x; e < L::kCoefGrads; e += blockDim.x) sh.coef_grads[e] = 0.0f;
+    stage_coefficients<N>(sh, P, Q);  // its barrier also publishes the zeros
 
     const int slices = hidden / kVec;
     const long long stream_stride = tokens * slices;  // in 16-byte slices; can pass 2^31
@@ -207,7 +206,6 @@ predict_correct_backward_v3(SINGLE_PASS_BACKWARD_PARAMETERS) {
         for (int c = 0; c < SLICES; ++c)
 #pragma unroll
             for (int e = 0; e < kVec; ++e) s_at(n, c, e) = 0.0f;
-    float coef_grads[L::kCoefGradsPerLane] = {};
 
     SliceRows<N> r;  // one 8-element slice of the token's rows
     for (long long token = blockIdx.x; token < tokens; token += gridDim.x) {
@@ -220,7 +218,7 @@ predict_correct_backward_v3(SINGLE_PASS_BACKWARD_PARAMETERS) {
             v3_load<N, false>(r, grad, hs, act, token_slice0 + slice, stream_stride);
             slice_dot_products<N, A>(r, RouterTimesNormFromWeights<N>(router, norm, slice, slices), v);
         }
-        v3_reduce_token<N, A>(v, sh, inv_h, eps, coef_grads);
+        v3_reduce_token<N, A>(v, sh, inv_h, eps);
 #pragma unroll 1
         for (int c = 0; c < SLICES; ++c) {
             const int slice = threadIdx.x + c * blockDim.x;
@@ -244,5 +242,5 @@ predict_correct_backward_v3(SINGLE_PASS_BACKWARD_PARAMETERS) {
             for (int e = 0; e < kVec; ++e) s[n][e] = s_at(n, c, e);
         slice_write_router_partials<N>(part, s, router, norm, slice, slices, inv_h);
     }
-    if (threadIdx.x < 32) v3_write_coef_partials<N>(part, coef_grads, hidden);
+    if (threadIdx.x < 32) v3_write_coef_partials<N>(part, sh.coef_grads, hidden);
 }

@@ -29,9 +29,8 @@ struct SliceLayout {
     static constexpr int kB = 0, kK = N * N, kAlphaP = kK + N, kAlphaC = kAlphaP + N, kBetaP = kAlphaC + N,
                          kBetaC = kBetaP + 1, kSigmaP = kBetaC + 1, kSigmaC = kSigmaP + N;
     static constexpr int kCoefs = kSigmaC + N;
-    // per-block coefficient-gradient entries: dP (N^3) then dQ (N^2), spread over warp 0's lanes (v3)
+    // per-block coefficient-gradient entries: dP (N^3) then dQ (N^2)
     static constexpr int kCoefGrads = N * N * N + N * N;
-    static constexpr int kCoefGradsPerLane = (kCoefGrads + 31) / 32;
 };
 
 // The token's rows of one 8-element slice, packed bf16 (4 registers per row).

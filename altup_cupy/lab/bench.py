@@ -198,7 +198,7 @@ def measure(bench: OpBench, workloads: Sequence[Workload], suite: str, reps: int
 
     from .._extras import require
 
-    tqdm = require("tqdm.auto", "bench").tqdm
+    tqdm = require("tqdm.auto", "bench", "tqdm").tqdm
 
     def chosen(w):
         return [i for i in bench.impls(w) if impl_names is None or i.name in impl_names]

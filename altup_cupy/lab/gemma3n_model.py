@@ -462,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import run_info
     from .paths import results_dir
 
-    tqdm = require("tqdm.auto", "bench").tqdm
+    tqdm = require("tqdm.auto", "bench", "tqdm").tqdm
     import transformers
 
     if args.device == "cuda" and not torch.cuda.is_available():

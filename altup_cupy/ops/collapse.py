@@ -101,7 +101,8 @@ def collapse(hidden_states: Any, unembed_projs: Sequence[Any] | Any, eps: float 
     hidden_states: bf16 [N, B, S, H]; unembed_projs: N-1 bf16 [H, H] matrices (nn.Linear layout,
     y = x @ W^T), as a list or one stacked [N-1, H, H] tensor; eps clamps the mean square of each
     projection. Returns bf16 [B, S, H]: a torch tensor for torch inputs, a CuPy array for CuPy
-    inputs, computed on the caller's current stream. CPU tensors run the float32 reference.
+    inputs, computed on the caller's current stream. CPU tensors run the reference: bf16, float32 or
+    float64, every tensor in one dtype, computed in float32 (float64 for float64 inputs).
     version None (default): the fastest version for this GPU and shape (see `VERSIONS`).
     """
     listed = isinstance(unembed_projs, (list, tuple))

@@ -2,7 +2,7 @@
 
 `predict_correct_backward(...)` is the public function; `torch.ops.altup_cupy.predict_correct_backward`
 the torch custom operator behind it (fake implementation for torch.compile, the kernels on CUDA,
-the float32 reference on the CPU). Eager calls on CUDA tensors that need no autograd take the fast
+the reference on the CPU). Eager calls on CUDA tensors that need no autograd take the fast
 path: validated inputs go straight to the cached launch plan of their shape.
 """
 
@@ -17,9 +17,10 @@ from .. import _arrays, _device
 from ..reference import predict_correct_backward_reference
 from . import _registry
 from ._registry import fast_path_applies
+from .collapse import CPU_DTYPES
 from .predict_correct_backward_versions import MAX_HIDDEN, PREFERENCE, VERSIONS
 
-BF16, F32 = torch.bfloat16, torch.float32
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 INPUT_NAMES = ("grad_corrected", "hidden_states", "activated", "prediction_coefs", "correction_coefs",
                "router_weight", "norm_weight")
 
@@ -35,9 +36,12 @@ class PredictCorrectGrads(NamedTuple):
 
 def validate(g, hs, act, P, Q, R, w, active_idx, eps):
     """Named errors for anything the kernels cannot take; returns (N, B, S, H, a, eps, device).
-    The common case (everything right) costs a few attribute reads per tensor; the checks in
-    their fixed order, with the messages, run only when one of them fails."""
-    _arrays.check_tensor("grad_corrected", g, BF16, (None, None, None, None), "N B S H")
+    The kernels take bf16; the CPU reference also float32 and float64, every tensor of a call in
+    one dtype (as the collapse). The common case (everything right) costs a few attribute reads
+    per tensor; the checks in their fixed order, with the messages, run only when one of them
+    fails."""
+    dtype = g.dtype if g.device.type == "cpu" and g.dtype in CPU_DTYPES else BF16
+    _arrays.check_tensor("grad_corrected", g, dtype, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = g.shape
     _arrays.check_streams_and_width("grad_corrected", streams, hidden)
     if hidden > MAX_HIDDEN:
@@ -46,7 +50,7 @@ def validate(g, hs, act, P, Q, R, w, active_idx, eps):
     others = (hs, act, P, Q, R, w)
     shapes = ((n, batch, seq, hidden), (batch, seq, hidden), (n * n, n), (n, n), (n, hidden), (hidden,))
     for t, shape in zip(others, shapes):
-        if t.dtype != BF16 or t.shape != shape or not t.is_contiguous() or t.device != device:
+        if t.dtype != dtype or t.shape != shape or not t.is_contiguous() or t.device != device:
             _explain(g, others, shapes)
     a = _arrays.index_in_range("active_idx", active_idx, streams)
     eps = _arrays.positive_finite("eps", eps)
@@ -57,7 +61,7 @@ def _explain(g, others, shapes):
     """Raise the named error of the first check that fails, in the fixed order."""
     dims = ("N B S H", "B S H", "N*N N", "N N", "N H", "H")
     for name, t, shape, names in zip(INPUT_NAMES[1:], others, shapes, dims):
-        _arrays.check_tensor(name, t, BF16, shape, names)
+        _arrays.check_tensor(name, t, g.dtype, shape, names)
     _arrays.check_devices(list(zip(INPUT_NAMES, (g, *others))))
     raise AssertionError("validate's fast check and its named checks disagree")  # a bug here
 
@@ -120,13 +124,21 @@ def predict_correct_backward_op(
         return _run_cuda(inputs, active_idx, eps, version)
 
 
+def _weight_grad_dtype(g: torch.Tensor) -> torch.dtype:
+    """fp32, as the kernels write them; float64 for the CPU reference's float64 inputs. The CPU
+    reference computes in this dtype too."""
+    return F64 if g.dtype == F64 else F32
+
+
 @predict_correct_backward_op.register_kernel("cpu")
 def _predict_correct_backward_cpu(*args):
     inputs, active_idx, eps = args[:7], args[7], args[8]
     validate(*inputs, active_idx, eps)
     _registry.check_number(VERSIONS, args[9] if len(args) > 9 else None)
-    grads = predict_correct_backward_reference(*inputs, active_idx, eps, F32)
-    return (grads[0].to(BF16), grads[1].to(BF16), *(g.float().contiguous() for g in grads[2:]))
+    g = inputs[0]
+    compute = _weight_grad_dtype(g)
+    grads = predict_correct_backward_reference(*inputs, active_idx, eps, compute)
+    return (grads[0].to(g.dtype), grads[1].to(g.dtype), *(d.contiguous() for d in grads[2:]))
 
 
 @predict_correct_backward_op.register_fake
@@ -135,9 +147,10 @@ def _predict_correct_backward_fake(*args):
     streams, batch, seq, hidden, _, _, _ = validate(*inputs, active_idx, eps)
     _registry.check_number(VERSIONS, args[9] if len(args) > 9 else None)
     g = inputs[0]
+    f = _weight_grad_dtype(g)
     return (g.new_empty((streams, batch, seq, hidden)), g.new_empty((batch, seq, hidden)),
-            g.new_empty((streams * streams, streams), dtype=F32), g.new_empty((streams, streams), dtype=F32),
-            g.new_empty((streams, hidden), dtype=F32), g.new_empty((hidden,), dtype=F32))
+            g.new_empty((streams * streams, streams), dtype=f), g.new_empty((streams, streams), dtype=f),
+            g.new_empty((streams, hidden), dtype=f), g.new_empty((hidden,), dtype=f))
 
 
 def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated: Any,
@@ -151,7 +164,9 @@ def predict_correct_backward(grad_corrected: Any, hidden_states: Any, activated:
     norm_weight bf16 [H]; N in {2, 3, 4}, H divisible by 8 and at most 8192.
     Returns `PredictCorrectGrads` of the caller's type (torch tensors, or CuPy arrays for CuPy
     inputs): bf16 activation gradients and fp32 weight gradients, computed on the caller's current
-    stream. Inputs are not modified. CPU tensors run the float32 reference.
+    stream. Inputs are not modified. CPU tensors run the reference: bf16 or float32 inputs in
+    float32, float64 inputs in float64 (activation gradients in the inputs' dtype, weight gradients
+    in float32, float64 for float64 inputs).
     version None (default): the fastest version that runs on this GPU and shape (v4 on Hopper
     where it applies, else v3); `VERSIONS` lists them all.
     """
