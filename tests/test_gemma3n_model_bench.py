@@ -126,3 +126,18 @@ def test_gpu_configs_have_the_published_sizes():
     # E2B's text model: 4.44 B parameters here (the published checkpoint also stores the KV
     # projections of its 10 KV-sharing layers, which transformers drops on loading).
     assert 4.40e9 < bench.parameter_count("e2b") < 4.46e9
+
+
+def test_op_registration_probe_times_both_registrations_on_cpu():
+    """altup_cupy.lab.op_registration: a row per registration and autograd setting, and the
+    shipped operators' rows, every time positive (the probe operators register under their own
+    namespace, so measuring twice in one process must work too)."""
+    from altup_cupy.lab import op_registration
+
+    for _ in range(2):
+        rows = op_registration.measure("cpu", number=5)
+        assert [(r["registration"], r["autograd"]) for r in rows] == [
+            ("custom_op", 0), ("custom_op", 1), ("Library", 0), ("Library", 1),
+            ("altup_cupy.torch.predict", 0), ("altup_cupy.torch.correct", 0),
+            ("altup_cupy.torch.predict", 1), ("altup_cupy.torch.correct", 1)]
+        assert all(r["us_per_call"] > 0 for r in rows)

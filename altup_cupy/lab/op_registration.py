@@ -50,12 +50,13 @@ def _probe_ops():
     return {"custom_op": ops.via_custom_op.default, "Library": ops.via_library.default}, library
 
 
-def _us_per_call(call, number: int = 2000) -> float:
+def _us_per_call(call, number: int) -> float:
     call()
     return min(timeit.repeat(call, number=number, repeat=5)) / number * 1e6
 
 
-def measure(device: str) -> list[dict]:
+def measure(device: str, number: int = 2000) -> list[dict]:
+    """One row per registration and autograd setting: the best of 5 repeats of `number` calls."""
     from .. import torch as altup
 
     probes, _library = _probe_ops()  # the Library object keeps its registrations alive
@@ -65,16 +66,16 @@ def measure(device: str) -> list[dict]:
         for autograd in (False, True):
             leaf = x.clone().requires_grad_(autograd)
             rows.append(dict(registration=name, autograd=int(autograd),
-                             us_per_call=round(_us_per_call(lambda: op(leaf, w, 1, 1e-6)), 2)))
+                             us_per_call=round(_us_per_call(lambda: op(leaf, w, 1, 1e-6), number), 2)))
     streams = x.to(torch.bfloat16)
     P, Q = torch.randn(16, 4, device=device).bfloat16(), torch.randn(4, 4, device=device).bfloat16()
     R, nw = torch.randn(4, 64, device=device).bfloat16(), torch.ones(64, device=device).bfloat16()
     for autograd in (False, True):
         h = streams.clone().requires_grad_(autograd)
         rows.append(dict(registration="altup_cupy.torch.predict", autograd=int(autograd),
-                         us_per_call=round(_us_per_call(lambda: altup.predict(h, P, R, nw, 1)), 2)))
+                         us_per_call=round(_us_per_call(lambda: altup.predict(h, P, R, nw, 1), number), 2)))
         rows.append(dict(registration="altup_cupy.torch.correct", autograd=int(autograd),
-                         us_per_call=round(_us_per_call(lambda: altup.correct(h, h[1], Q, R, nw, 1)), 2)))
+                         us_per_call=round(_us_per_call(lambda: altup.correct(h, h[1], Q, R, nw, 1), number), 2)))
     return rows
 
 
