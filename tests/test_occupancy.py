@@ -55,7 +55,7 @@ def test_the_recorded_table_covers_every_kernel_and_is_its_own_arithmetic():
     rows = occupancy.read_occupancy()
     assert {(r["arch"], r["source"]) for r in rows} == {
         (arch, source.filename) for source, arch in offline_targets(_sources.ALL_SOURCES)}
-    for row in rows:
+    for row in (r for r in rows if r["limited_by"] != occupancy.NO_LAUNCH_BOUNDS):
         limits = SM_LIMITS[row["arch"].removesuffix("a")]
         assert (row["blocks_per_sm"], row["limited_by"]) == blocks_per_sm(
             limits, row["registers"], row["threads"], row["static_shared_bytes"]), row

@@ -55,23 +55,28 @@ def launch_bound_threads(cubin: bytes) -> dict[str, int]:
     return found
 
 
+NO_LAUNCH_BOUNDS = "no __launch_bounds__"
 CSV_COLUMNS = ("arch", "source", "kernel", "registers", "spill_bytes", "static_shared_bytes", "threads",
                "warps", "blocks_per_sm", "limited_by")
 
 
 def occupancy_rows(build: OfflineBuild) -> list[dict]:
-    """One row per kernel of `build`, for its architecture (sm_90a counts as sm_90)."""
+    """One row per kernel of `build`, for its architecture (sm_90a counts as sm_90). A kernel
+    without `__launch_bounds__` has no block size in the cubin (the host picks it per launch):
+    its threads, warps and blocks per SM are left empty and `limited_by` says why."""
     limits = SM_LIMITS[build.arch.removesuffix("a")]
     threads = launch_bound_threads(build.cubin)
     rows = []
     for kernel, readable in zip(build.kernels, demangle([k.name for k in build.kernels])):
-        block = threads[kernel.name]
-        blocks, limiter = blocks_per_sm(limits, kernel.registers, block, kernel.shared_bytes)
-        rows.append({"arch": build.arch, "source": build.filename, "kernel": readable,
-                     "registers": kernel.registers,
-                     "spill_bytes": kernel.spill_store_bytes + kernel.spill_load_bytes,
-                     "static_shared_bytes": kernel.shared_bytes, "threads": block, "warps": -(-block // WARP),
-                     "blocks_per_sm": blocks, "limited_by": limiter})
+        row = {"arch": build.arch, "source": build.filename, "kernel": readable, "registers": kernel.registers,
+               "spill_bytes": kernel.spill_store_bytes + kernel.spill_load_bytes,
+               "static_shared_bytes": kernel.shared_bytes, "threads": "", "warps": "", "blocks_per_sm": "",
+               "limited_by": NO_LAUNCH_BOUNDS}
+        if kernel.name in threads:
+            block = threads[kernel.name]
+            blocks, limiter = blocks_per_sm(limits, kernel.registers, block, kernel.shared_bytes)
+            row.update(threads=block, warps=-(-block // WARP), blocks_per_sm=blocks, limited_by=limiter)
+        rows.append(row)
     return rows
 
 
