@@ -165,6 +165,7 @@ class KernelResources:
     stack_frame_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+    shared_bytes: int  # static shared memory
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class OfflineBuild:
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SHARED = re.compile(r"(\d+) bytes smem")
 
 
 def parse_ptxas_log(log: str) -> tuple[KernelResources, ...]:
@@ -204,6 +206,7 @@ def parse_ptxas_log(log: str) -> tuple[KernelResources, ...]:
                 stack_frame_bytes=int(frame.group(1)),
                 spill_store_bytes=int(frame.group(2)),
                 spill_load_bytes=int(frame.group(3)),
+                shared_bytes=int(shared.group(1)) if (shared := _SHARED.search(text)) else 0,
             )
         )
     return tuple(kernels)

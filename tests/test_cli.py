@@ -64,7 +64,7 @@ def test_bench_without_gpu_replays_a_results_folder(tmp_path, monkeypatch, capsy
     assert main(["bench", "--results-dir", str(results)]) == 0
     out = capsys.readouterr().out
     assert "Not measuring. Replaying" in out and "collapse forward, benchmark suite" in out
-    assert (results / "figures" / "roofline.png").is_file(), "another GPU's figures go to its own folder"
+    assert (results / "figures" / "roofline_collapse.png").is_file(), "another GPU's figures go to its own folder"
 
 
 def test_figures_with_nothing_recorded_says_so_and_exits_zero(tmp_path, monkeypatch, capsys):

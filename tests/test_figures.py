@@ -115,10 +115,10 @@ def test_regenerate_synthetic_writes_valid_deterministic_pngs(synthetic, tmp_pat
     first = figures.regenerate(synthetic, tmp_path / "a", log=messages.append)
     names = sorted(p.name for p in first)
     assert names == sorted([
-        "roofline.png",
-        "latency_collapse_benchmark.png", "pct_sol_collapse_benchmark.png", "speedup_collapse_benchmark.png",
+        "roofline_collapse.png", "roofline_predict_correct_backward.png",
+        "latency_collapse_benchmark.png", "pct_sol_collapse_benchmark.png", "vs_floor_collapse_benchmark.png",
         "latency_predict_correct_backward_benchmark.png", "pct_sol_predict_correct_backward_benchmark.png",
-        "speedup_predict_correct_backward_benchmark.png",
+        "vs_floor_predict_correct_backward_benchmark.png",
         # the backward is memory-bound on every workload: it also gets the byte-based view
         "bandwidth_predict_correct_backward_benchmark.png",
     ])
@@ -166,6 +166,80 @@ def test_colours_are_derived_for_any_version_and_baseline():
     assert len(set(colors.values())) == len(impls)  # distinct, none hand-listed
     assert figures.color_map(["altup_cupy_v7", "torch_eager"])["torch_eager"] == colors["torch_eager"]
     assert figures.impl_version("altup_cupy_v12") == 12 and figures.impl_version("altup_cupy") is None
+
+
+def _hue(color: str) -> float:
+    import colorsys
+
+    from matplotlib.colors import to_rgb
+
+    return colorsys.rgb_to_hls(*to_rgb(color))[0]
+
+
+def test_every_version_has_its_own_hue_and_marker():
+    """Eight versions and the default: no two share a marker, the versions' hues are more than
+    0.02 of the hue circle apart, and only the default is red."""
+    from matplotlib.colors import to_rgb
+
+    ours = ["altup_cupy"] + [f"altup_cupy_v{n}" for n in range(1, 9)]
+    styles = figures.style_map(ours)
+    assert len({marker for _, marker in styles.values()}) == len(ours)
+    assert len({color for color, _ in styles.values()}) == len(ours)
+    reds = [impl for impl, (color, _) in styles.items()
+            if (r := to_rgb(color))[0] > 0.6 and r[1] < 0.3 and r[2] < 0.3]
+    assert reds == ["altup_cupy"]
+    versions = [styles[f"altup_cupy_v{n}"][0] for n in range(1, 9)]
+    hues = sorted(_hue(c) for c in versions)
+    assert min(b - a for a, b in zip(hues, hues[1:])) > 0.02, hues
+
+
+def test_labels_are_short():
+    for impl in list(figures.IMPL_DESCRIPTIONS) + ["altup_cupy", "altup_cupy_v3", "altup_cupy_op"]:
+        assert len(figures.impl_label(impl)) <= 60, figures.impl_label(impl)
+
+
+def _capture(monkeypatch, what) -> dict:
+    """{figure file name: what(figure)} for the figures drawn while the patch holds, none saved."""
+    captured = {}
+    monkeypatch.setattr(figures, "_save", lambda fig, path: captured.setdefault(path.name, what(fig)))
+    return captured
+
+
+def _legend_texts(fig) -> list[str]:
+    return [text.get_text() for ax in fig.axes if ax.get_legend() for text in ax.get_legend().get_texts()]
+
+
+def test_roofline_is_one_op_and_its_legend_names_only_what_it_draws(synthetic, tmp_path, monkeypatch):
+    results = figures.load_results(synthetic, log=lambda _: None)
+    legends = _capture(monkeypatch, _legend_texts)
+    with figures.style():
+        for op in ("collapse", "predict_correct_backward"):
+            figures.plot_roofline(op, results, tmp_path / f"roofline_{op}.png")
+    collapse = legends["roofline_collapse.png"]
+    impls = figures.impl_order(results[("collapse", "benchmark")])
+    assert collapse[2:] == [figures.impl_label(i) for i in impls]  # two ceilings, then what is drawn
+    assert sum("datasheet" in text for text in legends["roofline_predict_correct_backward.png"]) == 1
+    # fill tells the suites apart: named only when both are drawn
+    both = {**results, ("collapse", "gemma3n"): [dict(r, suite="gemma3n") for r in results[("collapse", "benchmark")]]}
+    with figures.style():
+        figures.plot_roofline("collapse", both, tmp_path / "both.png")
+    assert [t for t in legends["both.png"] if "suite" in t] == ["filled: benchmark suite", "hollow: gemma3n suite"]
+
+
+def test_vs_floor_is_each_version_over_the_ops_floor(synthetic, tmp_path, monkeypatch):
+    rows = _with_versions(synthetic)
+    drawn = _capture(monkeypatch, lambda fig: {line.get_label(): list(line.get_ydata())
+                                               for ax in fig.axes for line in ax.get_lines()})
+    with figures.style():
+        figures.plot_vs_floor("predict_correct_backward", "benchmark", rows, tmp_path / "vs_floor.png")
+    lines = drawn["vs_floor.png"]
+    floor = [impls["copy_floor"][0] for _, _, impls in SYNTH_BACKWARD]
+    ours = [impls["altup_cupy"][0] for _, _, impls in SYNTH_BACKWARD]
+    assert lines[figures.impl_label("altup_cupy")] == pytest.approx([o / f for o, f in zip(ours, floor)])
+    assert lines["altup_cupy_v1"] == pytest.approx([2 * o / f for o, f in zip(ours, floor)])
+    assert set(lines) == {"altup_cupy (default)", "altup_cupy_v1", "1x: copy_floor (floor)"}
+    without_floor = [r for r in rows if r["impl"] != "copy_floor"]
+    assert figures.plot_vs_floor("predict_correct_backward", "benchmark", without_floor, tmp_path / "x.png") is None
 
 
 def _committed_csvs() -> list[Path]:

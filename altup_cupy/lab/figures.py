@@ -9,22 +9,24 @@ is read. Output PNGs are deterministic: the same CSVs and the same
 matplotlib give byte-identical files (no software tag or timestamp in the PNG, fixed rcParams),
 so a test can check that `figures/` is what the committed data regenerates.
 
-Figures (one file each):
-- `roofline.png`: left, the H200 roofline, log-log, datasheet and measured ceilings, every row of
-  the ops that reach the compute roof placed at (FLOP / compulsory byte, achieved TFLOP/s); right,
-  the ops that are memory-bound on every workload (their FLOP count is nominal) placed by bytes:
-  (compulsory bytes of the workload, achieved TB/s) under the HBM and copy ceilings.
+Figures (one file each, one message each):
+- `roofline_{op}.png`: where every implementation of one op sits under the H200's ceilings. An op
+  that reaches the compute roof on some workload is placed at (FLOP / compulsory byte, achieved
+  TFLOP/s) under the datasheet and measured rooflines; a memory-bound op (its FLOP count is
+  nominal) at (compulsory bytes of the workload, achieved TB/s) under the HBM and copy rates.
 - `latency_{op}_{suite}.png`: median latency (p10..p90 bars) against tokens, every implementation,
   with the speed-of-light time; one panel per (N, H).
 - `pct_sol_{op}_{suite}.png`: % of the datasheet speed of light per workload, every implementation.
-- `speedup_{op}_{suite}.png`: our kernel's speedup over each PyTorch baseline per workload
-  (hatched where that baseline fails the tolerance rule).
+- `vs_floor_{op}_{suite}.png`: each version of ours as a multiple of the op's floor (`OP_FLOORS`:
+  the GEMMs alone for the collapse, a device copy of the compulsory bytes for the backward)
+  against tokens; 1x is the floor.
 - `bandwidth_{op}_{suite}.png` (memory-bound ops only): achieved TB/s of compulsory traffic
   against tokens for every version of our kernel and the copy floor, under the measured copy rate.
 
-Colours are derived, not listed: our versions are shades of one red by version number (the default
-darkest), baselines and floors take palette entries by name, so a new version or baseline needs no
-edit here.
+Styles are derived, not listed: every implementation gets its own hue and marker, from the palette
+of its role (ours: warm hues by version number, the default red; PyTorch: blues; floors: greys)
+at a slot fixed by its name, so a new version or baseline needs no edit here and keeps its look
+from figure to figure.
 """
 
 from __future__ import annotations
@@ -44,24 +46,34 @@ from .workloads import OPS, SUITES
 
 OURS = "altup_cupy"  # the implementation every speedup is measured for
 OP_TITLES = {"collapse": "collapse forward", "predict_correct_backward": "predict-correct backward"}
-# What each baseline is, for legends (an implementation without an entry is shown by its name).
+# The floor each op is measured against: the collapse's GEMMs alone (its epilogue is what it adds),
+# and a device copy of the backward's compulsory bytes (it can do no less traffic).
+OP_FLOORS = {"collapse": "cublas_gemms_fp32out", "predict_correct_backward": "copy_floor"}
+# What each baseline is, in a few words for legends (an implementation without an entry is shown
+# by its name alone).
 IMPL_DESCRIPTIONS = {
-    "torch_eager_fp32": "PyTorch eager fp32 = CUDA-core fp32 GEMMs",
-    "torch_eager_bf16gemm": "PyTorch eager, bf16-output GEMMs",
-    "torch_compile_bf16gemm": "torch.compile, bf16-output GEMMs",
-    "cublas_gemms_fp32out": "cuBLASLt bf16->fp32 GEMMs alone",
-    "bmm_gemms_fp32out": "torch.bmm bf16->fp32 GEMMs alone",
-    "cupy_cublas_gemms_fp32out": "CuPy's cuBLAS bf16->fp32 GEMMs alone",
-    "torch_eager": "PyTorch eager fp32, derived backward",
-    "torch_autograd": "PyTorch autograd fp32",
-    "torch_compile": "torch.compile of the fp32 backward",
-    "copy_floor": "device copy of the compulsory bytes",
+    "torch_eager_fp32": "fp32 GEMMs",
+    "torch_eager_bf16gemm": "bf16-out GEMMs",
+    "torch_compile_bf16gemm": "bf16-out GEMMs",
+    "cublas_gemms_fp32out": "cuBLASLt GEMMs alone",
+    "bmm_gemms_fp32out": "torch.bmm GEMMs alone",
+    "cupy_cublas_gemms_fp32out": "CuPy cuBLAS GEMMs alone",
+    "torch_eager": "derived backward",
+    "torch_autograd": "fp32",
+    "torch_compile": "fp32 backward",
+    "copy_floor": "copy of the compulsory bytes",
 }
-_BASELINE_PALETTE = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22", "#e377c2", "#aec7e8")
-_FLOOR_PALETTE = ("#404040", "#7f7f7f", "#a6a6a6")
-_OURS_COLORMAP = "Reds"
+# Hues far apart within and across roles: our versions take warm and mid hues by version number
+# (no two reds), the default is the one red, PyTorch is blue, floors are grey.
+_DEFAULT_STYLE = ("#d62728", "o")
+_VERSION_COLORS = ("#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#b8860b", "#1b9e77")
+_VERSION_MARKERS = ("s", "^", "D", "v", "P", "X", "*", "h")
+_ROLE_PALETTES = {  # (colours, markers) of the implementations without a version number
+    "ours": (("#2ca02c", "#000080"), ("p", "H")),
+    "pytorch": (("#1f77b4", "#6baed6", "#08306b", "#4292c6"), ("<", ">", "d", "8")),
+    "floor": (("#404040", "#7f7f7f", "#a6a6a6"), ("d", "p", "8")),
+}  # filled markers only: a hollow one marks the Gemma 3n suite in the roofline
 _VERSION_PATTERN = re.compile(rf"^{OURS}_v(\d+)$")
-OP_MARKERS = {"collapse": "o", "predict_correct_backward": "s"}
 DPI = 110
 _RC = {
     "font.size": 10,
@@ -99,13 +111,13 @@ def impl_version(impl: str) -> int | None:
 
 
 def impl_label(impl: str) -> str:
-    role = impl_role(impl)
+    """A legend entry, a few words long: the name, and what a baseline is or that it is a floor."""
     if impl == OURS:
-        return f"{impl} (ours, default)"
-    if role == "ours":
-        return f"{impl} (ours, version {impl_version(impl)})" if impl_version(impl) else f"{impl} (ours)"
-    text = f"{impl}: {IMPL_DESCRIPTIONS[impl]}" if impl in IMPL_DESCRIPTIONS else impl
-    return f"{text} (floor, unchecked)" if role == "floor" else text
+        return f"{impl} (default)"
+    words = [IMPL_DESCRIPTIONS[impl]] if impl in IMPL_DESCRIPTIONS else []
+    if impl_role(impl) == "floor":
+        words.insert(0, "floor")
+    return f"{impl} ({': '.join(words)})" if words else impl
 
 
 def _float(value) -> float:
@@ -178,29 +190,40 @@ def impl_order(rows: Sequence[dict]) -> list[str]:
     return sorted(first_seen, key=lambda name: (rank[impl_role(name)], name != OURS, first_seen[name]))
 
 
-def color_map(impls: Iterable[str]) -> dict[str, str]:
-    """A colour per implementation: ours in shades of red (older versions lighter, the default the
-    darkest), PyTorch baselines and floors from their palettes by a hash of the name (the next free
-    entry on a collision, in name order), so colours follow the names, not a hand-kept list."""
-    from matplotlib import colormaps
-    from matplotlib.colors import to_hex
-
+def style_map(impls: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """(colour, marker) per implementation. The default is red with circles; `altup_cupy_vN` takes
+    slot N - 1 of the version palettes; any other name takes a slot of its role's palettes chosen
+    by a hash of the name (the next free one on a collision, in name order). Styles follow the
+    names, not a hand-kept list."""
     names = sorted(set(impls))
-    ours = sorted((n for n in names if impl_role(n) == "ours"),
-                  key=lambda n: (n == OURS, impl_version(n) or 0, n))
-    shades = colormaps[_OURS_COLORMAP]
-    colors = {n: to_hex(shades(0.35 + 0.55 * i / max(1, len(ours) - 1))) for i, n in enumerate(ours)}
-    for role, palette in (("pytorch", _BASELINE_PALETTE), ("floor", _FLOOR_PALETTE)):
+    styles = {}
+    for name in names:
+        if name == OURS:
+            styles[name] = _DEFAULT_STYLE
+        elif (version := impl_version(name)) is not None:
+            slot = (version - 1) % len(_VERSION_COLORS)
+            styles[name] = (_VERSION_COLORS[slot], _VERSION_MARKERS[slot])
+    for role, (colors, markers) in _ROLE_PALETTES.items():
         taken: set[int] = set()
-        for name in (n for n in names if impl_role(n) == role):
-            slot = zlib.crc32(name.encode()) % len(palette)
-            for step in range(len(palette)):
-                if (slot + step) % len(palette) not in taken:
-                    slot = (slot + step) % len(palette)
+        for name in (n for n in names if impl_role(n) == role and n not in styles):
+            slot = zlib.crc32(name.encode()) % len(colors)
+            for step in range(len(colors)):
+                if (slot + step) % len(colors) not in taken:
+                    slot = (slot + step) % len(colors)
                     break
             taken.add(slot)
-            colors[name] = palette[slot]
-    return colors
+            styles[name] = (colors[slot], markers[slot % len(markers)])
+    return styles
+
+
+def _zorder(impl: str) -> int:
+    """The default on top: the operator entry (`altup_cupy_op`, the same kernel) would hide it."""
+    return 4 if impl == OURS else 3
+
+
+def color_map(impls: Iterable[str]) -> dict[str, str]:
+    """The colour of each implementation (`style_map`)."""
+    return {name: color for name, (color, _) in style_map(impls).items()}
 
 
 def workloads_by_tokens(rows: Sequence[dict]) -> list[tuple]:
@@ -251,19 +274,25 @@ def style():
 
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The legends are outside the layout (`_legend_outside`): name them so that the tight box,
+    # which grows the saved figure, still holds them.
+    legends = [legend for ax in fig.axes if (legend := ax.get_legend()) is not None]
+    extra = fig.get_default_bbox_extra_artists() + legends
     # No "Software" tag and no timestamp: byte-identical output for identical inputs.
     fig.savefig(path, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight",
-                pad_inches=0.15)
+                bbox_extra_artists=extra, pad_inches=0.15)
     _pyplot().close(fig)
     return path
 
 
 def _legend_outside(ax, handles=None, labels=None):
-    """A legend right of the axes, so that it never covers data (the saved figure grows to fit)."""
+    """A legend right of the axes, so that it never covers data. It takes no part in the layout:
+    the axes keep the figure's width, and the saved figure grows to fit the legend."""
     if handles is None:
         handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
-              framealpha=0.92)
+    legend = ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+                       framealpha=0.92)
+    legend.set_in_layout(False)
 
 
 def _fastest_rows(rows: Sequence[dict], column: str) -> dict[tuple, dict]:
@@ -319,19 +348,8 @@ def memory_bound_ops(rows: Sequence[dict]) -> set[str]:
     return {r["op"] for r, _, _ in bandwidth_points(rows)} - reaches_roof
 
 
-def _scatter_by_impl(ax, results: dict, points: list, impls: Sequence[str], colors: dict) -> None:
-    for op, suite in sorted(results):
-        for impl in impls:
-            pts = [(x, y) for r, x, y in points if (r["op"], r["suite"], r["impl"]) == (op, suite, impl)]
-            if pts:
-                filled = suite == "benchmark"
-                ax.scatter([x for x, _ in pts], [y for _, y in pts], marker=OP_MARKERS.get(op, "^"), s=34,
-                           linewidths=1.1, facecolors=colors[impl] if filled else "none",
-                           edgecolors=colors[impl], alpha=0.9, zorder=3)
-
-
-def _roofline_panel(ax, results: dict, points: list, impls: Sequence[str], colors: dict) -> None:
-    """FLOP/s against FLOP per byte under the datasheet and measured ceilings."""
+def _roofline_panel(ax, points: list) -> None:
+    """Axes, datasheet and measured ceilings of FLOP/s against FLOP per byte, sized to `points`."""
     peak, bw = H200.bf16_flops / 1e12, H200.hbm_bytes_per_s / 1e12
     measured_peak, measured_bw = H200.cublas_bf16_flops / 1e12, H200.copy_bytes_per_s / 1e12
     ridge = peak / bw
@@ -340,11 +358,10 @@ def _roofline_panel(ax, results: dict, points: list, impls: Sequence[str], color
     hi = 10 ** math.ceil(math.log10(max(max(intensity), ridge) * 4))
     xs = [lo * (hi / lo) ** (i / 400) for i in range(401)]
     ax.plot(xs, [min(peak, bw * x) for x in xs], color="black", lw=1.8,
-            label=f"datasheet: {peak:.1f} TFLOP/s bf16, {bw:.1f} TB/s HBM3e")
+            label=f"datasheet: {peak:.1f} TFLOP/s, {bw:.1f} TB/s")
     ax.plot(xs, [min(measured_peak, measured_bw * x) for x in xs], color="black", lw=1.4, ls="--",
-            label=f"measured: {measured_peak:.1f} TFLOP/s (cuBLAS 8192³), {measured_bw:.2f} TB/s (device copy)")
+            label=f"measured: {measured_peak:.1f} TFLOP/s, {measured_bw:.2f} TB/s")
     ax.axvline(ridge, color="black", lw=0.6, ls=":")
-    _scatter_by_impl(ax, results, points, impls, colors)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
@@ -356,59 +373,64 @@ def _roofline_panel(ax, results: dict, points: list, impls: Sequence[str], color
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "0.6"})
     ax.set_xlabel("arithmetic intensity (FLOP per compulsory byte of HBM traffic)")
     ax.set_ylabel("achieved throughput (TFLOP/s)")
-    ax.set_title("FLOP view (ops that reach the compute roof)")
 
 
-def _bytes_panel(ax, results: dict, points: list, impls: Sequence[str], colors: dict) -> None:
-    """TB/s against the workload's compulsory bytes under the datasheet and copy bandwidths."""
+def _bytes_panel(ax, points: list) -> None:
+    """Axes and bandwidth ceilings of TB/s against the workload's compulsory MB, sized to `points`."""
     bw, copy = H200.hbm_bytes_per_s / 1e12, H200.copy_bytes_per_s / 1e12
     ax.axhline(bw, color="black", lw=1.8, label=f"datasheet HBM3e: {bw:.1f} TB/s")
     ax.axhline(copy, color="black", lw=1.4, ls="--", label=f"measured device copy: {copy:.2f} TB/s")
-    _scatter_by_impl(ax, results, [(r, x / 1e6, y) for r, x, y in points], impls, colors)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ymin = 10 ** math.floor(math.log10(min(y for _, _, y in points) / 2))
     ax.set_ylim(ymin, bw * 3)
     ax.set_xlabel("compulsory HBM traffic of the workload (MB)")
     ax.set_ylabel("achieved bandwidth (TB/s of compulsory bytes)")
-    ax.set_title("byte view (memory-bound ops: the FLOP count is nominal)")
 
 
-def plot_roofline(results: dict, path: Path) -> Path | None:
-    plt = _pyplot()
-    rows = [r for rs in results.values() for r in rs]
-    memory_ops = memory_bound_ops(rows)
-    flop_points = [p for p in roofline_points(rows) if p[0]["op"] not in memory_ops]
-    byte_points = [p for p in bandwidth_points(rows) if p[0]["op"] in memory_ops]
-    placed = [p[0] for p in flop_points + byte_points]
-    if not placed:
-        return None
-    impls = impl_order(placed)
-    colors = color_map(impls)
-    panels = [(panel, pts) for panel, pts in ((_roofline_panel, flop_points), (_bytes_panel, byte_points)) if pts]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.2 * len(panels), 6.4), squeeze=False)
-    handles, labels = [], []
-    for ax, (panel, pts) in zip(axes[0], panels):
-        panel(ax, results, pts, impls, colors)
-        h, l = ax.get_legend_handles_labels()
-        handles += h
-        labels += l
-    # One legend for both panels: colours = implementations, markers = ops, fill = suite.
+def plot_roofline(op: str, results: dict, path: Path) -> Path | None:
+    """Every implementation of `op` (rows of every suite in `results`) under the ceilings: by FLOPs
+    if the op reaches the compute roof on some workload, else by bytes. None if no row of `op` can
+    be placed."""
     from matplotlib.lines import Line2D
 
+    plt = _pyplot()
+    rows = [r for (row_op, _), rs in sorted(results.items()) if row_op == op for r in rs]
+    if op in memory_bound_ops(rows):
+        points, panel, view = [(r, x / 1e6, y) for r, x, y in bandwidth_points(rows)], _bytes_panel, "bytes"
+    else:
+        points, panel, view = roofline_points(rows), _roofline_panel, "FLOPs"
+    if not points:
+        return None
+    impls = impl_order([r for r, _, _ in points])
+    styles = style_map(impls)
+    suites = sorted({r["suite"] for r, _, _ in points}, key=lambda s: s != "benchmark")
+    fig, ax = plt.subplots(figsize=(7.2, 6.0))
+    panel(ax, points)
+    for suite in suites:
+        for impl in impls:
+            pts = [(x, y) for r, x, y in points if (r["suite"], r["impl"]) == (suite, impl)]
+            if pts:
+                color, marker = styles[impl]
+                ax.scatter([x for x, _ in pts], [y for _, y in pts], marker=marker, s=36, linewidths=1.1,
+                           facecolors=color if suite == suites[0] else "none", edgecolors=color, alpha=0.9,
+                           zorder=_zorder(impl))
+    handles, labels = ax.get_legend_handles_labels()
     for impl in impls:
-        handles.append(Line2D([], [], ls="", marker="o", color=colors[impl], markersize=7))
+        color, marker = styles[impl]
+        handles.append(Line2D([], [], ls="", marker=marker, color=color, markersize=7))
         labels.append(impl_label(impl))
-    for op in sorted({r["op"] for r in placed}):
-        handles.append(Line2D([], [], ls="", marker=OP_MARKERS.get(op, "^"), color="0.3", markersize=7))
-        labels.append(f"marker: {OP_TITLES.get(op, op)}")
-    if any(s == "gemma3n" for _, s in results):
-        handles.append(Line2D([], [], ls="", marker="o", markerfacecolor="none", color="0.3", markersize=7))
-        labels.append("hollow: Gemma 3n shapes (N=4); filled: benchmark workloads")
-    _legend_outside(axes[0][-1], handles, labels)
-    unplaced = len(rows) - len(placed)
-    note = f"; {unplaced} rows without a FLOP or byte count not placed" if unplaced else ""
-    fig.suptitle(f"H200: every workload and implementation of every op\n{provenance(rows)}{note}")
+    if len(suites) > 1:  # fill tells the suites apart only when both are drawn
+        for suite in suites:
+            filled = suite == suites[0]
+            handles.append(Line2D([], [], ls="", marker="o", color="0.3", markersize=7,
+                                  markerfacecolor="0.3" if filled else "none"))
+            labels.append(f"{'filled' if filled else 'hollow'}: {suite} suite")
+    _legend_outside(ax, handles, labels)
+    unplaced = len(rows) - len(points)
+    note = f"; {unplaced} rows without a count not placed" if unplaced else ""
+    ax.set_title(f"{OP_TITLES.get(op, op)}: every implementation, placed by {view}\n"
+                 f"{provenance(rows)}{note}")
     fig.tight_layout()
     return _save(fig, path)
 
@@ -423,7 +445,7 @@ def _per_shape_panels(plt, rows: Sequence[dict]):
 def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
     plt = _pyplot()
     impls = impl_order(rows)
-    colors = color_map(impls)
+    styles = style_map(impls)
     fig, panels = _per_shape_panels(plt, rows)
     for ax, (n, h), sub in panels:
         for impl in impls:
@@ -436,7 +458,9 @@ def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
                    [max(0.0, r["p90_us"] - r["median_us"]) for r in pts]]
             failed = any(r["passed"] is False for r in pts)
             role = impl_role(impl)
-            ax.errorbar(x, y, yerr=err, color=colors[impl], marker="o", ms=4, lw=1.6 if role == "ours" else 1.1,
+            color, marker = styles[impl]
+            ax.errorbar(x, y, yerr=err, color=color, marker=marker, ms=4, lw=1.6 if role == "ours" else 1.1,
+                        zorder=_zorder(impl),
                         ls=":" if role == "floor" else "-", capsize=2,
                         label=impl_label(impl) + (" [fails tolerance]" if failed else ""))
         sol = {r["tokens"]: r["sol_us"] for r in sub}
@@ -461,7 +485,7 @@ def plot_bandwidth(op: str, suite: str, rows: Sequence[dict], path: Path) -> Pat
     if not any(impl_role(r["impl"]) == "ours" for r, _, _ in points):
         return None
     impls = impl_order([r for r, _, _ in points])
-    colors = color_map(impls)
+    styles = style_map(impls)
     rate = {id(r): tbps for r, _, tbps in points}
     fig, panels = _per_shape_panels(plt, [r for r, _, _ in points])
     bw, copy = H200.hbm_bytes_per_s / 1e12, H200.copy_bytes_per_s / 1e12
@@ -471,8 +495,10 @@ def plot_bandwidth(op: str, suite: str, rows: Sequence[dict], path: Path) -> Pat
         for impl in impls:
             pts = sorted((r for r in sub if r["impl"] == impl), key=lambda r: r["tokens"])
             if pts:
-                ax.plot([r["tokens"] for r in pts], [rate[id(r)] for r in pts], color=colors[impl], marker="o",
-                        ms=4, lw=2.0 if impl == OURS else 1.3, ls=":" if impl_role(impl) == "floor" else "-",
+                color, marker = styles[impl]
+                ax.plot([r["tokens"] for r in pts], [rate[id(r)] for r in pts], color=color, marker=marker,
+                        ms=4, zorder=_zorder(impl), lw=2.0 if impl == OURS else 1.3,
+                        ls=":" if impl_role(impl) == "floor" else "-",
                         label=impl_label(impl))
         ax.set_xscale("log")
         ax.set_ylim(0, bw * 1.08)
@@ -538,35 +564,41 @@ def plot_pct_sol(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_speedup(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path | None:
+def our_versions(rows: Sequence[dict]) -> list[str]:
+    """Our kernel versions in the rows, oldest first: `altup_cupy_vN` by N, then the default (the
+    operator entry `altup_cupy_op`, the default's kernel behind torch.ops, is no version)."""
+    ours = {r["impl"] for r in rows if r["impl"] == OURS or impl_version(r["impl"]) is not None}
+    return sorted(ours, key=lambda i: (i == OURS, impl_version(i) or 0))
+
+
+def plot_vs_floor(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path | None:
+    """Each version of ours as a multiple of the op's floor (`OP_FLOORS`) against tokens, one
+    panel per (N, H): how far each version is from the least the op can cost. None when the rows
+    hold no floor or no version of ours."""
     plt = _pyplot()
-    baselines = [i for i in impl_order(rows) if impl_role(i) == "pytorch"]
-    by = {(r["impl"], r["workload"]): r for r in rows}
-    keys = [k for k in workloads_by_tokens(rows) if (OURS, k) in by]
-    if not baselines or not keys:
+    floor = OP_FLOORS.get(op)
+    floor_us = {r["workload"]: r["median_us"] for r in rows if r["impl"] == floor and r["median_us"] > 0}
+    versions = our_versions(rows)
+    placed = [r for r in rows if r["impl"] in versions and r["workload"] in floor_us and r["median_us"] > 0]
+    if not placed:
         return None
-    colors = color_map(impl_order(rows))
-    with_nh = len({k[:2] for k in keys}) > 1
-    series, hatches = [], []
-    for base in baselines:
-        vals = [by[(base, k)]["median_us"] / by[(OURS, k)]["median_us"] if (base, k) in by else math.nan
-                for k in keys]
-        fails = [(base, k) in by and by[(base, k)]["passed"] is False for k in keys]
-        tag = " [fails tolerance]" if any(fails) else ""
-        series.append((f"vs {impl_label(base)}{tag}: geomean {geomean(vals):.2f}x", base, vals))
-        hatches.append(fails)
-    fig, ax = plt.subplots(figsize=(min(16.0, max(9.0, 0.45 * len(keys) * len(baselines) / 3 + 5)), 6.0))
-    _grouped_bars(ax, keys, series, colors, hatches)
-    ax.axhline(1.0, color="black", lw=1.0, ls="--", label="1x (parity)")
-    _legend_outside(ax)
-    ax.set_xticks(range(len(keys)))
-    ax.set_xticklabels([workload_label(k, with_nh) for k in keys], rotation=45, ha="right")
-    ax.set_xlabel("workload (batch_size x seq_len), sorted by tokens")
-    ax.set_ylabel(f"speedup of {OURS} (baseline µs / our µs)")
-    top = max([v for _, _, vals in series for v in vals if math.isfinite(v)] + [1.0])
-    ax.set_ylim(0, top * 1.3)
-    ax.set_title(f"{OP_TITLES.get(op, op)}: speedup over PyTorch ({suite} suite; hatched = baseline fails "
-                 f"the tolerance)\n{provenance(rows)}")
+    styles = style_map(versions)
+    fig, panels = _per_shape_panels(plt, placed)
+    for ax, (n, h), sub in panels:
+        ax.axhline(1.0, color="black", lw=1.4, ls="--", label=f"1x: {floor} (floor)")
+        for impl in versions:
+            pts = sorted((r for r in sub if r["impl"] == impl), key=lambda r: r["tokens"])
+            if pts:
+                color, marker = styles[impl]
+                ax.plot([r["tokens"] for r in pts], [r["median_us"] / floor_us[r["workload"]] for r in pts],
+                        color=color, marker=marker, ms=5, lw=2.0 if impl == OURS else 1.3, label=impl_label(impl))
+        ax.set_xscale("log")
+        ax.set_ylim(0, max(r["median_us"] / floor_us[r["workload"]] for r in placed) * 1.1)
+        ax.set_xlabel("tokens M = batch_size x seq_len")
+        ax.set_ylabel("multiple of the floor (µs / floor µs)")
+        ax.set_title(f"N={n}, H={h}")
+    _legend_outside(panels[-1][0])
+    fig.suptitle(f"{OP_TITLES.get(op, op)}: each version against its floor ({suite} suite)\n{provenance(rows)}")
     fig.tight_layout()
     return _save(fig, path)
 
@@ -583,17 +615,19 @@ def regenerate(results_dir: Path | str = RECORDED_RESULTS_DIR, out_dir: Path | s
         return []
     written: list[Path] = []
     with style():
-        path = plot_roofline(results, out_dir / "roofline.png")
-        if path:
-            written.append(path)
+        for op in sorted({op for op, _ in results}):
+            path = plot_roofline(op, results, out_dir / f"roofline_{op}.png")
+            if path:
+                written.append(path)
         for (op, suite), rows in sorted(results.items()):
             written.append(plot_latency(op, suite, rows, out_dir / f"latency_{op}_{suite}.png"))
             written.append(plot_pct_sol(op, suite, rows, out_dir / f"pct_sol_{op}_{suite}.png"))
-            path = plot_speedup(op, suite, rows, out_dir / f"speedup_{op}_{suite}.png")
+            path = plot_vs_floor(op, suite, rows, out_dir / f"vs_floor_{op}_{suite}.png")
             if path:
                 written.append(path)
             else:
-                log(f"figures: {op} / {suite} has no {OURS} or PyTorch rows: no speedup figure")
+                log(f"figures: {op} / {suite} has no {OP_FLOORS.get(op)} rows or no version of {OURS}: "
+                    "no figure against the floor")
             if op in memory_bound_ops(rows):
                 path = plot_bandwidth(op, suite, rows, out_dir / f"bandwidth_{op}_{suite}.png")
                 if path:

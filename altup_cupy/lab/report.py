@@ -28,15 +28,15 @@ from typing import Sequence
 
 from .bench import csv_path, read_csv
 from .ceilings import H200
-from .figures import (OP_TITLES, OURS, bandwidth_points, geomean, impl_order, impl_role,
-                      impl_version, parse_rows, provenance, workloads_by_tokens)
+from .figures import (OP_FLOORS, OP_TITLES, OURS, bandwidth_points, geomean, impl_order, impl_role,
+                      our_versions, parse_rows, provenance, workloads_by_tokens)
 from .paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from .workloads import OPS, SUITES
 
 BEGIN_MARKER = "<!-- results:begin -->"
 END_MARKER = "<!-- results:end -->"
-README_FIGURES = ("roofline.png", "speedup_collapse_benchmark.png",
-                  "speedup_predict_correct_backward_benchmark.png")
+README_FIGURES = ("roofline_collapse.png", "vs_floor_collapse_benchmark.png",
+                  "roofline_predict_correct_backward.png", "vs_floor_predict_correct_backward_benchmark.png")
 WALL_NOT_RECORDED = "not recorded"  # CSVs of runs before the benchmark measured wall_us
 
 
@@ -155,13 +155,7 @@ def _workload_cell(key: tuple, with_nh: bool) -> str:
     return f"N{n} H{h} {b}×{s}" if with_nh else f"{b}×{s}"
 
 
-COPY_FLOOR = "copy_floor"  # the benchmark's device copy of an op's compulsory bytes
-
-
-def our_versions(rows: Sequence[dict]) -> list[str]:
-    """Our implementations in the CSV, oldest first: `altup_cupy_vN` by N, then the default."""
-    ours = {r["impl"] for r in rows if impl_role(r["impl"]) == "ours"}
-    return sorted(ours, key=lambda i: (i == OURS, impl_version(i) or 0, i))
+COPY_FLOOR = OP_FLOORS["predict_correct_backward"]  # the device copy of an op's compulsory bytes
 
 
 def bandwidth_data(rows: Sequence[dict]) -> dict:

@@ -27,6 +27,7 @@ import torch
 from .. import _device
 from .. import _sources as S
 from .._launch import PackedLaunch, ceil_div, round_up
+from .._occupancy import SM_LIMITS, blocks_per_sm
 from .._scratch import StreamScratch
 from ._registry import Version
 
@@ -42,17 +43,6 @@ _PARTIALS = StreamScratch()
 _TICKETS = StreamScratch(zeroed=True)
 
 
-def blocks_per_sm(registers: int, threads: int, shared_bytes: int, cap: int) -> int:
-    """Resident blocks per SM: registers are allocated per warp in units of 256 (64K per SM, at
-    most 64 warps), shared memory per block plus 1 KiB reserved (228 KiB per SM)."""
-    warps = ceil_div(threads, 32)
-    per_warp = ceil_div(max(registers, 1) * 32, 256) * 256
-    by_regs = min(64, 65536 // per_warp) // warps
-    by_smem = (228 * 1024) // (shared_bytes + 1024)
-    by_threads = 2048 // threads
-    return max(1, min(by_regs, by_smem, by_threads, cap))
-
-
 def _grid(kernel, threads: int, shared: int, cap: int, tokens: int, device: int,
           carveout_shared: bool = False) -> int:
     """Persistent grid size; lets the kernel use `shared` bytes of dynamic shared memory (past
@@ -62,7 +52,9 @@ def _grid(kernel, threads: int, shared: int, cap: int, tokens: int, device: int,
         kernel.max_dynamic_shared_size_bytes = shared
     if carveout_shared:
         kernel.preferred_shared_memory_carveout = 100
-    per_sm = blocks_per_sm(kernel.num_regs, threads, shared + kernel.shared_size_bytes, cap)
+    # Hopper's limits whatever the GPU: the limits these grids were measured with (results/nvidia-h200/).
+    resident, _ = blocks_per_sm(SM_LIMITS["sm_90"], kernel.num_regs, threads, shared + kernel.shared_size_bytes)
+    per_sm = max(1, min(resident, cap))
     return min(tokens, _device.sm_count(device) * per_sm)
 
 
