@@ -442,6 +442,15 @@ def _per_shape_panels(plt, rows: Sequence[dict]):
     return fig, [(ax, shape, [r for r in rows if (r["N"], r["H"]) == shape]) for ax, shape in zip(axes[0], shapes)]
 
 
+def _finish_panels(fig, panels, title: str, rows: Sequence[dict], path: Path) -> Path:
+    """The shared end of the per-workload-group figures: the legend beside the last panel, the
+    title with the run's provenance, then the file."""
+    _legend_outside(panels[-1][0])
+    fig.suptitle(f"{title}\n{provenance(rows)}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
     plt = _pyplot()
     impls = impl_order(rows)
@@ -471,10 +480,7 @@ def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
         ax.set_xlabel("tokens M = batch_size x seq_len")
         ax.set_ylabel("median latency (µs), bars p10..p90")
         ax.set_title(f"N={n}, H={h}")
-    _legend_outside(panels[-1][0])
-    fig.suptitle(f"{OP_TITLES.get(op, op)}: latency vs tokens ({suite} suite)\n{provenance(rows)}")
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish_panels(fig, panels, f"{OP_TITLES.get(op, op)}: latency vs tokens ({suite} suite)", rows, path)
 
 
 def plot_bandwidth(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path | None:
@@ -505,11 +511,8 @@ def plot_bandwidth(op: str, suite: str, rows: Sequence[dict], path: Path) -> Pat
         ax.set_xlabel("tokens M = batch_size x seq_len")
         ax.set_ylabel("achieved bandwidth (TB/s of compulsory bytes)")
         ax.set_title(f"N={n}, H={h}")
-    _legend_outside(panels[-1][0])
-    fig.suptitle(f"{OP_TITLES.get(op, op)}: bandwidth per version vs the copy rate ({suite} suite)\n"
-                 f"{provenance(rows)}")
-    fig.tight_layout()
-    return _save(fig, path)
+    title = f"{OP_TITLES.get(op, op)}: bandwidth per version vs the copy rate ({suite} suite)"
+    return _finish_panels(fig, panels, title, rows, path)
 
 
 def _grouped_bars(ax, keys, series, colors, hatches=None):
@@ -597,10 +600,8 @@ def plot_vs_floor(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path
         ax.set_xlabel("tokens M = batch_size x seq_len")
         ax.set_ylabel("multiple of the floor (µs / floor µs)")
         ax.set_title(f"N={n}, H={h}")
-    _legend_outside(panels[-1][0])
-    fig.suptitle(f"{OP_TITLES.get(op, op)}: each version against its floor ({suite} suite)\n{provenance(rows)}")
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish_panels(fig, panels, f"{OP_TITLES.get(op, op)}: each version against its floor ({suite} suite)",
+                          rows, path)
 
 
 def regenerate(results_dir: Path | str = RECORDED_RESULTS_DIR, out_dir: Path | str = FIGURES_DIR,
