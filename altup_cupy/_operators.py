@@ -1,14 +1,13 @@
 """Operators of the `altup_cupy` namespace registered straight with PyTorch's dispatcher.
 
 `torch.library.custom_op` wraps every call in Python layers of its own (its device-type dispatch,
-argument checks) before the implementation runs: about 10 us a call on the host, where a
-`torch.library.Library` registration of the same function costs about 4 (no autograd; with
-autograd 19 against 17 us: `python -m altup_cupy.lab.op_registration` measures both). The Gemma 3n
-steps run four operators per decoder layer, so the host, not the GPU, set the pace of a small
-batch. Registered this way, an operator is one schema, one implementation for the CPU and CUDA
-dispatch keys, and a fake implementation for torch.compile; `torch.library.register_autograd`
-makes it differentiable as it would a custom_op.
-"""
+argument checks) before the implementation runs; a `torch.library.Library` registration of the
+same function skips them (`python -m altup_cupy.lab.op_registration` measures both, with and
+without autograd; results/nvidia-h200/op_registration.csv). The Gemma 3n steps run four operators
+per decoder layer, so at small batch the host, not the GPU, sets the pace. Registered this way, an
+operator is one schema, one implementation for the CPU and CUDA dispatch keys, and a fake
+implementation for torch.compile; `torch.library.register_autograd` makes it differentiable as it
+would a custom_op."""
 
 from __future__ import annotations
 
