@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of altup_cupy on this machine's NVIDIA GPU, in the current Python environment.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, tests_portable, bench, gemma3n, notebooks,
-#                                           sweep (default: tests tests_portable bench gemma3n notebooks)
+#   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, tests_portable, bench, gemma3n, gemma3n_model,
+#                                           notebooks, sweep (default: tests tests_portable bench gemma3n
+#                                           notebooks)
 #
 # Set up first (README, "Install"): a CUDA build of torch, then pip install -e ".[gpu,dev]".
 # Everything lands in one folder, ALTUP_RESULTS_DIR (default: results/<gpu name>/ of this
@@ -16,6 +17,8 @@
 #                        (figures: figures/ for the H200, <results folder>/figures/ for other GPUs);
 #                        host_overhead.csv, each op's host cost per call against torch.matmul's
 #   gemma3n_training_step.csv, gemma3n.log   Gemma 3n's AltUp in a training step (scripts/bench_gemma3n.py)
+#   gemma3n_model.csv, gemma3n_model.log     a whole Gemma 3n model, patched and not (altup_cupy.lab.gemma3n_model;
+#                        rows of this commit already in the CSV are kept and not measured again)
 #   notebooks.log        notebooks/*.ipynb executed in place in GPU mode (scripts/execute_notebooks.sh)
 #   sweep_v4.csv, .log   the tuning sweep of backward v4 (Hopper GPUs only)
 # Each stage runs under a time limit of ALTUP_STAGE_LIMIT_S seconds (default 1800), so a hung
@@ -29,8 +32,8 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests tests_portable bench gemma3n notebooks)
 for stage in "${stages[@]}"; do
   case $stage in
-    tests|tests_portable|bench|gemma3n|notebooks|sweep) ;;
-    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests tests_portable bench gemma3n notebooks sweep)" >&2
+    tests|tests_portable|bench|gemma3n|gemma3n_model|notebooks|sweep) ;;
+    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests tests_portable bench gemma3n gemma3n_model notebooks sweep)" >&2
        exit 2 ;;
   esac
 done
@@ -72,6 +75,9 @@ for stage in "${stages[@]}"; do
       run_stage "$results/bench.log" python3 -m altup_cupy bench --suite all --reps 50 --results-dir "$results" ;;
     gemma3n)
       run_stage "$results/gemma3n.log" python3 scripts/bench_gemma3n.py --no-tests --out "$results/gemma3n_training_step.csv" ;;
+    gemma3n_model)
+      run_stage "$results/gemma3n_model.log" python3 -m altup_cupy.lab.gemma3n_model --config all --resume \
+        --time-limit-s "$(( limit * 9 / 10 ))" --no-progress --out "$results/gemma3n_model.csv" ;;
     notebooks)
       ALTUP_NOTEBOOK_MODE=gpu run_stage "$results/notebooks.log" bash scripts/execute_notebooks.sh ;;
     sweep)
