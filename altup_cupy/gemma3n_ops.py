@@ -1,4 +1,5 @@
-"""PyTorch operators (namespace altup_cupy, registered by `_operators`) for Gemma 3n's AltUp steps, forward and backward.
+"""PyTorch operators (namespace altup_cupy, registered by `_operators`) for Gemma 3n's AltUp
+steps, forward and backward.
 
     predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale) -> pred
     predict_backward(grad, hidden_states, ...) -> (grad_hidden_states, grad_P, grad_R, grad_w)
