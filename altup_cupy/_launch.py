@@ -25,6 +25,19 @@ from typing import Any, Sequence
 ARG_CODES = {"ptr": "Q", "i32": "i4x", "i64": "q", "f32": "f4x"}
 SLOT_BYTES = 8
 
+# The devices whose primary context each thread has made current. The driver launches into the
+# calling thread's current context, and a thread whose first CUDA work is one of ours has none:
+# autograd's backward thread, when an altup_cupy backward is the first node it runs (torch sets
+# the device through the runtime only when it differs from the thread's default, device 0).
+_threads = threading.local()
+
+
+def _make_context_current(device: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.setDevice(device)  # since CUDA 12: initialises the primary context, current on this thread
+    _threads.__dict__.setdefault("devices", set()).add(device)
+
 
 @dataclass(frozen=True)
 class ByValue:
@@ -57,9 +70,10 @@ class PackedLaunch:
     ARG_CODES' names per argument, or a `ByValue` for a struct passed by value."""
 
     def __init__(self, kernel: Any, block: int, shared_bytes: int, arg_types: Sequence[str | ByValue]):
-        from cupy.cuda import driver
+        from cupy.cuda import driver, runtime
 
         self._launch_kernel = driver.launchKernel
+        self._device = runtime.getDevice()  # the kernel lives in this device's primary context
         self._function = kernel.kernel.ptr  # the CUfunction of the compiled RawKernel
         self.block = int(block)
         self.shared_bytes = int(shared_bytes)
@@ -78,6 +92,8 @@ class PackedLaunch:
 
     def __call__(self, stream: int, grid: int | tuple[int, int], *values: Any) -> None:
         gx, gy = (grid, 1) if isinstance(grid, int) else grid
+        if self._device not in getattr(_threads, "devices", ()):
+            _make_context_current(self._device)
         with self._lock:
             self._pack(self._slots, 0, *values)
             self._launch_kernel(self._function, gx, gy, 1, self.block, 1, 1, self.shared_bytes,

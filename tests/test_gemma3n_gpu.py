@@ -185,6 +185,35 @@ def test_cuda_graph_replay_matches_eager(seeds):
         assert torch.equal(a, b)
 
 
+# A process whose first backward node is one of ours: autograd's CUDA thread has made no runtime
+# call (the allocations come from the cache warmed here), so it has no current context until the
+# launch layer makes one current.
+_FIRST_BACKWARD_NODE = """
+import torch
+from altup_cupy import torch as altup
+warm = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (64 << 20, 64 << 20, 1 << 20, 1 << 20)]
+del warm
+gen = torch.Generator(device="cuda").manual_seed(0)
+N, H = 4, 2048
+def leaf(*shape, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16().requires_grad_()
+h, P, R, w = leaf(N, 1, 256, H), leaf(N * N, N, scale=0.3), leaf(N, H, scale=H ** -0.5), leaf(H, scale=0.1)
+grad = torch.randn(N, 1, 256, H, generator=gen, device="cuda").bfloat16()
+altup.predict(h, P, R, w, 0, 1e-6).backward(grad)
+torch.cuda.synchronize()
+assert all(t.grad is not None and bool(t.grad.float().isfinite().all()) for t in (h, P, R, w))
+print("ok")
+"""
+
+
+def test_a_backward_node_of_ours_first_on_autograd_thread():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FIRST_BACKWARD_NODE], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_launches_go_to_the_inputs_device(seeds):
     """Inputs on cuda:1 while cuda:0 is current: every kernel runs on cuda:1 and gives cuda:0's

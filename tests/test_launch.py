@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from altup_cupy import _launch
 from altup_cupy._launch import ByValue, PackedLaunch, ceil_div, round_up
 from altup_cupy.ops import collapse_hopper
 
@@ -26,11 +27,17 @@ def driver_calls(monkeypatch):
         values = [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
         calls.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values))
 
-    cupy, cuda, driver = (types.ModuleType(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.driver"))
-    driver.launchKernel, cuda.driver, cupy.cuda = launch_kernel, driver, cuda
-    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.driver", driver)):
+    cupy, cuda, driver, runtime = (types.ModuleType(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.driver",
+                                                                  "cupy.cuda.runtime"))
+    driver.launchKernel, cuda.driver, cuda.runtime, cupy.cuda = launch_kernel, driver, runtime, cuda
+    runtime.getDevice, runtime.setDevice = (lambda: 0), context_calls.append
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.driver", driver),
+                         ("cupy.cuda.runtime", runtime)):
         monkeypatch.setitem(sys.modules, name, module)
     return calls, sizes
+
+
+context_calls: list[int] = []  # the devices made current through the runtime, in order
 
 
 def _kernel(function: int):
@@ -79,3 +86,22 @@ def test_the_collapse_gemm_parameters_reach_the_kernel_as_declared(driver_calls)
 def test_ceil_div_and_round_up():
     assert [ceil_div(a, 4) for a in (0, 1, 4, 5)] == [0, 1, 1, 2]
     assert [round_up(a, 32) for a in (1, 32, 33)] == [32, 32, 64]
+
+
+def test_each_thread_makes_the_context_current_once(driver_calls):
+    """A thread whose first CUDA work is a launch of ours (autograd's backward thread) has no
+    current context: the first launch of each thread makes the kernel's device current."""
+    import threading
+
+    calls, sizes = driver_calls
+    sizes += [4]
+    launch = PackedLaunch(_kernel(1), 32, 0, ("i32",))
+    context_calls.clear()
+    _launch._threads.__dict__.clear()  # this thread as if it had launched nothing yet
+    launch(0, 1, 1)
+    launch(0, 1, 2)
+    worker = threading.Thread(target=lambda: (launch(0, 1, 3), launch(0, 1, 4)))
+    worker.start()
+    worker.join()
+    assert len(calls) == 4
+    assert context_calls == [0, 0]  # once in this thread, once in the worker
