@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-import numpy
 import torch
 
 from . import _device, _sources
@@ -40,10 +39,6 @@ class CorrectGradients(NamedTuple):
     grad_correction_coefs: torch.Tensor  # bf16 [N, N]
     grad_router_weight: torch.Tensor  # bf16 [N, H]
     grad_norm_weight: torch.Tensor  # bf16 [H]
-
-
-def _ptr(tensor: torch.Tensor) -> numpy.uint64:
-    return numpy.uint64(tensor.data_ptr())
 
 
 def _row_threads(hidden: int) -> int:
@@ -92,31 +87,38 @@ KERNELS = {
 _PACKED: dict[tuple, PackedLaunch] = {}
 
 
-def _launch(step: str, params: tuple, like: torch.Tensor, grid: int, threads: int, args,
-            shared_mem: int = 0) -> None:
-    """One launch of KERNELS[step]<params> on torch's current stream of `like`'s device (its raw
-    handle: a capture of that stream captures the launch)."""
-    device = like.device.index
+def _packed_launch(key: tuple) -> PackedLaunch:
+    step, params, device, threads, shared_mem = key
+    with torch.cuda.device(device):
+        entry = KERNELS[step]
+        kernel = entry.source.kernel(entry.instance(params))
+        if shared_mem > kernel.max_dynamic_shared_size_bytes:
+            kernel.max_dynamic_shared_size_bytes = shared_mem
+        launch = _PACKED[key] = PackedLaunch(kernel, threads, shared_mem, entry.arg_types)
+    return launch
+
+
+def _launch(step: str, params: tuple, device: int, grid: int, threads: int, args, shared_mem: int = 0) -> None:
+    """One launch of KERNELS[step]<params> on torch's current stream of CUDA device `device` (its
+    raw handle: a capture of that stream captures the launch). The arguments are plain Python
+    numbers: the packed launch stores them by the kernel's argument types."""
     key = (step, params, device, threads, shared_mem)
-    with _device.on(like.device):
-        launch = _PACKED.get(key)
-        if launch is None:
-            entry = KERNELS[step]
-            kernel = entry.source.kernel(entry.instance(params))
-            if shared_mem > kernel.max_dynamic_shared_size_bytes:
-                kernel.max_dynamic_shared_size_bytes = shared_mem
-            launch = _PACKED[key] = PackedLaunch(kernel, threads, shared_mem, entry.arg_types)
+    launch = _PACKED.get(key) or _packed_launch(key)
+    if device == torch._C._cuda_getDevice():
         launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
+    else:  # the kernel lives in `device`'s context: make it current for the launch
+        with torch.cuda.device(device):
+            launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
 
 
-def _backward_blocks(like: torch.Tensor, tokens: int) -> int:
-    return max(1, min(tokens, _device.sm_count(like.device.index) * BACKWARD_BLOCKS_PER_SM))
+def _backward_blocks(device: int, tokens: int) -> int:
+    return max(1, min(tokens, _device.sm_count(device) * BACKWARD_BLOCKS_PER_SM))
 
 
-def _partials(like: torch.Tensor, blocks: int, columns: int) -> tuple[torch.Tensor, int]:
+def _partials(device: int, blocks: int, columns: int) -> tuple[torch.Tensor, int]:
     """[blocks, stride] fp32 with the stride rounded up to 4 floats (16-byte aligned rows)."""
     stride = (columns + 3) // 4 * 4
-    return torch.empty((blocks, stride), dtype=torch.float32, device=like.device), stride
+    return torch.empty((blocks, stride), dtype=torch.float32, device=device), stride
 
 
 def _router_grads(partials: torch.Tensor, coef_columns: int, router_weight: torch.Tensor,
@@ -129,21 +131,21 @@ def _router_grads(partials: torch.Tensor, coef_columns: int, router_weight: torc
     grad_R, grad_w = torch.empty_like(router_weight), torch.empty_like(norm_weight)
     # 32 columns a block, 32 chains of partial rows each: the hidden columns, then the coefficients
     grid = (hidden + 31) // 32 + (coef_columns + 31) // 32
-    _launch("router_grads", (streams,), partials, grid, 1024,
-            (_ptr(partials), numpy.int32(partials.shape[0]), numpy.int64(partials.shape[1]), numpy.int32(hidden),
-             numpy.int32(coef_columns), _ptr(router_weight), _ptr(norm_weight), numpy.float32(router_scale),
-             _ptr(grad_coefs), _ptr(grad_R), _ptr(grad_w)))
+    _launch("router_grads", (streams,), partials.get_device(), grid, 1024,
+            (partials.data_ptr(), partials.shape[0], partials.shape[1], hidden,
+             coef_columns, router_weight.data_ptr(), norm_weight.data_ptr(), router_scale,
+             grad_coefs.data_ptr(), grad_R.data_ptr(), grad_w.data_ptr()))
     return grad_coefs, grad_R, grad_w
 
 
 def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx: int,
                     eps: float, router_scale: float) -> torch.Tensor:
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
-    tokens = hidden_states[0].numel() // hidden
+    tokens = hidden_states.numel() // (streams * hidden)
     out = torch.empty_like(hidden_states)
-    _launch("predict_forward", (streams, active_idx), hidden_states, tokens, _row_threads(hidden),
-            (_ptr(hidden_states), _ptr(prediction_coefs), _ptr(router_weight), _ptr(norm_weight), _ptr(out),
-             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
+    _launch("predict_forward", (streams, active_idx), hidden_states.get_device(), tokens, _row_threads(hidden),
+            (hidden_states.data_ptr(), prediction_coefs.data_ptr(), router_weight.data_ptr(), norm_weight.data_ptr(), out.data_ptr(),
+             tokens, hidden, eps, router_scale))
     return out
 
 
@@ -156,13 +158,13 @@ def _routed_backward(step: str, active_idx: int, tensors: Sequence[torch.Tensor]
     partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
     columns. Returns (the coefficient gradient, flat; grad R; grad w), in the weights' dtype (bf16)."""
     like = tensors[0]
-    streams, hidden = like.shape[0], like.shape[-1]
-    tokens = like[0].numel() // hidden
-    blocks = _backward_blocks(like, tokens)
-    partials, stride = _partials(like, blocks, streams * hidden + coef_columns)
-    _launch(step, (streams, active_idx), like, blocks, _row_threads(hidden),
-            (*map(_ptr, tensors), _ptr(partials), numpy.int64(stride), numpy.int64(tokens), numpy.int32(hidden),
-             numpy.float32(eps), numpy.float32(router_scale)),
+    streams, hidden, device = like.shape[0], like.shape[-1], like.get_device()
+    tokens = like.numel() // (streams * hidden)
+    blocks = _backward_blocks(device, tokens)
+    partials, stride = _partials(device, blocks, streams * hidden + coef_columns)
+    _launch(step, (streams, active_idx), device, blocks, _row_threads(hidden),
+            (*(t.data_ptr() for t in tensors), partials.data_ptr(), stride, tokens, hidden,
+             eps, router_scale),
             shared_mem=shared_mem)
     return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
 
@@ -182,9 +184,9 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
     streams, hidden = predictions.shape[0], predictions.shape[-1]
     tokens = activated.numel() // hidden
     out = torch.empty_like(predictions)
-    _launch("correct_forward", (streams, active_idx), predictions, tokens, _row_threads(hidden),
-            (_ptr(predictions), _ptr(activated), _ptr(correction_coefs), _ptr(router_weight), _ptr(norm_weight),
-             _ptr(out), numpy.int64(tokens), numpy.int32(hidden), numpy.float32(eps), numpy.float32(router_scale)))
+    _launch("correct_forward", (streams, active_idx), predictions.get_device(), tokens, _row_threads(hidden),
+            (predictions.data_ptr(), activated.data_ptr(), correction_coefs.data_ptr(), router_weight.data_ptr(), norm_weight.data_ptr(),
+             out.data_ptr(), tokens, hidden, eps, router_scale))
     return out
 
 
@@ -220,9 +222,9 @@ def expand_epilogue(x0, projected, out, floor: float) -> None:
     projected fp32 [M, (N-1) H], out bf16 [N, M, H])."""
     tokens, hidden = x0.shape
     streams = out.shape[0]
-    _launch("expand_forward", (streams,), x0, tokens, _row_threads(hidden),
-            (_ptr(x0), _ptr(projected), _ptr(out), numpy.int64(hidden), numpy.int64((streams - 1) * hidden),
-             numpy.int64(tokens), numpy.int32(hidden), numpy.float32(floor)))
+    _launch("expand_forward", (streams,), x0.get_device(), tokens, _row_threads(hidden),
+            (x0.data_ptr(), projected.data_ptr(), out.data_ptr(), hidden, (streams - 1) * hidden,
+             tokens, hidden, floor))
 
 
 def magnitude_match_backward(grad, stream_stride: int, scale: float, base, projected, proj_strides,
@@ -230,10 +232,10 @@ def magnitude_match_backward(grad, stream_stride: int, scale: float, base, proje
     streams = projected.numel() // base.numel() + 1
     hidden = base.shape[-1]
     base_type = "float" if grad_base.dtype == torch.float32 else "unsigned short"
-    _launch("magnitude_match_backward", (streams, base_type), base, base.numel() // hidden, _row_threads(hidden),
-            (_ptr(grad), _ptr(base), _ptr(projected), _ptr(grad_projected), _ptr(grad_base),
-             numpy.int64(stream_stride), numpy.float32(scale), numpy.int64(proj_strides[0]),
-             numpy.int64(proj_strides[1]), numpy.int32(hidden), numpy.float32(floor)))
+    _launch("magnitude_match_backward", (streams, base_type), base.get_device(), base.numel() // hidden, _row_threads(hidden),
+            (grad.data_ptr(), base.data_ptr(), projected.data_ptr(), grad_projected.data_ptr(), grad_base.data_ptr(),
+             stream_stride, scale, proj_strides[0],
+             proj_strides[1], hidden, floor))
 
 
 def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor], projected, floor: float):

@@ -49,12 +49,13 @@ def _check_tensor(name: str, t, shape: tuple, dims: str, dtype: torch.dtype | No
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} must have dtype {_dtype_name(dtype)} (that of the first tensor: one dtype per "
                         f"call), got {_dtype_name(t.dtype)}")
-    if t.device.type == "cpu" and t.dtype not in CPU_DTYPES:
+    if t.is_cpu and t.dtype not in CPU_DTYPES:
         *others, last = map(_dtype_name, CPU_DTYPES)
         raise TypeError(f"{name} must have dtype {', '.join(others)} or {last} on the CPU, got {_dtype_name(t.dtype)}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+    extents = t.shape
+    if len(extents) != len(shape) or any(want is not None and want != got for want, got in zip(shape, extents)):
         expected = "[" + ", ".join(str(s) if s is not None else d for s, d in zip(shape, dims.split())) + "]"
         raise ValueError(f"{name} must have shape {expected} ({dims}), got {list(t.shape)}")
 
@@ -107,12 +108,13 @@ def _check_cuda(tensors: Sequence[tuple[str, torch.Tensor]], streams: int, hidde
     reason = cuda_serves(streams, hidden)
     if reason is not None:
         raise ValueError(f"the CUDA kernels do not take {reason}")
-    device = tensors[0][1].device
+    first_name, first = tensors[0]
+    device = first.get_device()
     for name, t in tensors:
         if t.dtype != BF16:
             raise TypeError(f"{name} must be bfloat16 on CUDA, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device} (the device of {tensors[0][0]})")
+        if t.get_device() != device:
+            raise ValueError(f"{name} is on {t.device}, expected {first.device} (the device of {first_name})")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         if t.data_ptr() % 16:
