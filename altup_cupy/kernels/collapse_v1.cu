@@ -9,6 +9,8 @@
 //   collapse_epilogue_v1: one block per row; each thread keeps CHUNKS 16-byte slices of s0 and
 //                         of every y_k in registers, so the row is read from memory exactly once
 //                         (up to H = 8192) and all N statistics come out of one block reduction.
+// collapse_v5.cu includes this file: its epilogue is this one's two halves (collapse_row_scales,
+// collapse_write_row) with the projections dropped from L2 after their last read.
 #include "common.cuh"
 
 // Threads per block that still leave each thread the registers for CHUNKS slices of N streams
