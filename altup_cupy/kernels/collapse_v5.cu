@@ -7,7 +7,7 @@
 //       have all read a row's projections for the last time, collapse_epilogue_v5 drops their
 //       lines from L2 without writing them back (discard.global.L2, sm_80+): they are dead, and
 //       a dirty line evicted later would cost a write to HBM that nothing reads.
-// v1's source: the kernel below runs v1's two halves of a row, then the discard.
+// v1's source: the kernel below runs v1's two halves of a row and the discard between or after them.
 #include "collapse_v1.cu"
 
 // Drop the row's N-1 projections from L2 without write-back. Only lines wholly inside the row:
