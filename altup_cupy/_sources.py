@@ -83,16 +83,6 @@ COLLAPSE_V1 = KernelSource(
     defines=_COLLAPSE,
 )
 
-# v5's epilogue drops each row's dead projections from L2 in whole lines of this size, the only one
-# discard.global.L2 takes; a projection row is whole lines when H * 4 is a multiple of it.
-L2_LINE_BYTES = 128
-COLLAPSE_V5 = KernelSource(
-    "collapse_v5.cu",
-    tuple(f"collapse_epilogue_v5<{n}, {c}>" for n in SUPPORTED_STREAMS for c in COLLAPSE_CHUNK_CHOICES),
-    min_arch=80,
-    defines={**_COLLAPSE, "L2_LINE_BYTES": L2_LINE_BYTES},  # v1's too: it includes v1's source
-)
-
 # collapse v2-v4 (Hopper GEMM, collapse_gemm_sm90.cuh): a CTA computes a BLOCK_M x BLOCK_N tile of
 # y_k, BLOCK_K of the reduction per ring stage (64 bf16 = one 128-byte swizzle row), STAGES stages
 # deep; CONSUMERS warpgroups of 64 rows each plus one producer warpgroup; up to MAX_PROJECTIONS =
@@ -203,7 +193,6 @@ ALL_SOURCES = (
     COLLAPSE_V2,
     COLLAPSE_V3,
     COLLAPSE_V4,
-    COLLAPSE_V5,
     PREDICT_CORRECT_BACKWARD_REDUCE,
     PREDICT_CORRECT_BACKWARD_V1,
     PREDICT_CORRECT_BACKWARD_V2,

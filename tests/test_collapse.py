@@ -14,7 +14,7 @@ from altup_cupy import _cublas, _sources, collapse
 from altup_cupy.lab.check import oracle_bound
 from altup_cupy.lab.workloads import benchmark_workloads, collapse_inputs, tolerance_report
 from altup_cupy.ops import collapse_versions
-from altup_cupy.ops.collapse_epilogue import epilogue_v1, epilogue_v5
+from altup_cupy.ops.collapse_epilogue import epilogue_v1
 from altup_cupy.reference import collapse_reference
 
 pytestmark = pytest.mark.gpu
@@ -23,8 +23,6 @@ BF16 = torch.bfloat16
 ATOL, RTOL, EPS = 1e-5, 0.05, 1e-5  # the collapse's tolerances in workloads.json
 ROUNDS = 3
 WORKLOADS = benchmark_workloads("collapse")
-# Every version that runs on any supported GPU (the Hopper-only ones are tests/test_collapse_hopper.py's).
-PORTABLE_VERSIONS = [n for n, v in collapse_versions.VERSIONS.items() if v.min_compute_capability < 90]
 
 
 @pytest.fixture(autouse=True)
@@ -67,38 +65,34 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # ---- the 16 benchmark workloads, fresh inputs each round ---------------------------------------
 
 
-@pytest.mark.parametrize("version", PORTABLE_VERSIONS)
 @pytest.mark.parametrize("w", WORKLOADS, ids=[w.label for w in WORKLOADS])
-def test_benchmark_workload(w, version, seeds):
+def test_benchmark_workload(w, seeds):
     for round_ in range(ROUNDS):
         inputs = collapse_inputs(w, seeds())
-        out = collapse(inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"], version=version)
+        out = collapse(inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"])
         torch.cuda.synchronize()
         _check(out, inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"], w.atol, w.rtol,
-               what=f"v{version} {w.label} round {round_}")
+               what=f"{w.label} round {round_}")
 
 
 # ---- shapes: Gemma 3n's, tiny M, odd H, large H --------------------------------------------------
-# H = 8200: the epilogue sweeps each row twice, and its fp32 rows are no whole number of 128-byte
-# lines (v5 keeps the lines two rows share); H = 40 and 24: rows shorter than two lines.
 
 SHAPES = [
     (2, 2048, 1, 1), (2, 2048, 1, 7), (4, 2048, 1, 1), (4, 2048, 1, 7), (4, 2048, 2, 129),
     (2, 2560, 1, 1), (2, 2560, 1, 7), (4, 2560, 1, 1), (4, 2560, 1, 7), (4, 2560, 3, 100),
     (3, 3072, 1, 1), (3, 3072, 1, 7),
     (3, 40, 1, 7), (3, 8, 1, 1), (2, 8, 2, 3), (4, 40, 5, 3), (2, 24, 1, 1000),
-    (3, 8192, 1, 5), (3, 8200, 2, 9), (2, 16384, 1, 3),
+    (3, 8192, 1, 5), (2, 16384, 1, 3),
 ]
 
 
-@pytest.mark.parametrize("version", PORTABLE_VERSIONS)
 @pytest.mark.parametrize("n,h,b,s", SHAPES, ids=[f"N{n}_H{h}_B{b}_S{s}" for n, h, b, s in SHAPES])
-def test_shapes(n, h, b, s, version, seeds):
+def test_shapes(n, h, b, s, seeds):
     inputs = _inputs(n, b, s, h, seeds())
     hs, ws = inputs["hidden_states"], inputs["unembed_projs"]
-    out = collapse(hs, ws, EPS, version=version)
+    out = collapse(hs, ws, EPS)
     torch.cuda.synchronize()
-    _check(out, hs, ws, EPS, what=f"v{version} N{n} H{h} M{b * s}")
+    _check(out, hs, ws, EPS, what=f"N{n} H{h} M{b * s}")
 
 
 def test_eps_clamp_on_gpu(seeds):
@@ -200,8 +194,7 @@ def test_output_poisoned_through_the_allocator(seeds):
     _check(out, hs, ws, EPS, what="poisoned")
 
 
-@pytest.mark.parametrize("epilogue", [epilogue_v1, epilogue_v5], ids=["v1", "v5"])
-def test_epilogue_kernel_writes_every_output_element(epilogue, seeds):
+def test_epilogue_kernel_writes_every_output_element(seeds):
     """The RawKernel on its own, into a NaN-filled output, from fp32 projections made here."""
     n, b, s, h = 3, 1, 37, 3072
     inputs = _inputs(n, b, s, h, seeds())
@@ -210,15 +203,14 @@ def test_epilogue_kernel_writes_every_output_element(epilogue, seeds):
     x64 = hs.to(torch.float64)
     y = torch.stack([x64[k].reshape(rows, h) @ ws[k - 1].to(torch.float64).T for k in range(1, n)])
     y32 = y.to(torch.float32).contiguous()
-    # Expected from the same fp32 projections, in float64, taken before the launch: v5's epilogue
-    # leaves them undefined (dropped from L2 without write-back).
-    y64 = y32.to(torch.float64)
     out = torch.full((b, s, h), float("nan"), dtype=BF16, device="cuda")
-    launch = epilogue(n, h)
+    launch = epilogue_v1(n, h)
     launch(torch.cuda.current_stream().cuda_stream, rows, hs.data_ptr(), y32.data_ptr(), out.data_ptr(),
            h, rows, EPS)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "the epilogue left output elements unwritten"
+    # Expected from the same fp32 projections, in float64.
+    y64 = y32.to(torch.float64)
     s0 = x64[0].reshape(rows, h)
     target = s0.square().mean(-1, keepdim=True).sqrt()
     mag = y64.square().mean(-1, keepdim=True).clamp_min(EPS).sqrt()
@@ -273,43 +265,33 @@ def _count_gemms(monkeypatch):
     return calls
 
 
-def _clear_collapse_plans():
-    collapse_versions._v1_plan.cache_clear()
-    collapse_versions._v5_plan.cache_clear()
-
-
 @pytest.fixture
 def fresh_collapse_plans():
     """Plans are cached per shape: a test that changes how plans are built starts and ends clean."""
-    _clear_collapse_plans()
+    collapse_versions._v1_plan.cache_clear()
     yield
-    _clear_collapse_plans()
+    collapse_versions._v1_plan.cache_clear()
 
 
-# Each cuBLAS version and the bound on its row blocks' fp32 projections.
-BLOCK_BOUNDS = [(1, "WORKSPACE_BYTES"), (5, "L2_BLOCK_BYTES")]
-
-
-@pytest.mark.parametrize("version,bound", BLOCK_BOUNDS, ids=[f"v{v}" for v, _ in BLOCK_BOUNDS])
 @pytest.mark.parametrize("weights", ["stacked", "list"])
-def test_workspace_chunking(weights, version, bound, monkeypatch, seeds, fresh_collapse_plans):
+def test_workspace_chunking(weights, monkeypatch, seeds, fresh_collapse_plans):
     n, b, s, h = 3, 2, 500, 3072  # M = 1000 rows
     inputs = _inputs(n, b, s, h, seeds())
     hs, ws = inputs["hidden_states"], inputs["unembed_projs"]
     ws_arg = ws if weights == "stacked" else [ws[0], ws[1]]
-    whole = collapse(hs, ws_arg, EPS, version=version)
+    whole = collapse(hs, ws_arg, EPS)
     block = 97  # 11 blocks, the last one partial (30 rows)
-    monkeypatch.setattr(collapse_versions, bound, block * (n - 1) * h * 4)
-    _clear_collapse_plans()
+    monkeypatch.setattr(collapse_versions, "WORKSPACE_BYTES", block * (n - 1) * h * 4)
+    collapse_versions._v1_plan.cache_clear()
     calls = _count_gemms(monkeypatch)
-    chunked = collapse(hs, ws_arg, EPS, version=version)
+    chunked = collapse(hs, ws_arg, EPS)
     torch.cuda.synchronize()
     gemms_per_block = 1 if weights == "stacked" else n - 1
     blocks = -(-b * s // block)
     assert len(calls) == blocks * gemms_per_block, (
         f"expected {blocks} row blocks of <= {block} rows, the GEMMs were called with rows={calls}")
     assert max(calls) <= block and sum(calls) == b * s * gemms_per_block
-    _check(chunked, hs, ws, EPS, what=f"v{version} chunked {weights}")
+    _check(chunked, hs, ws, EPS, what=f"chunked {weights}")
     # Rows are independent, so chunking changes nothing but cuBLAS' choice of algorithm.
     _assert_within_one_ulp(chunked, whole, "chunked vs whole")
 

@@ -457,7 +457,7 @@ def odd_workloads() -> list[Workload]:
 
 
 OP_WORKLOADS = benchmark_workloads("collapse") + gemma3n_workloads("collapse") + odd_workloads()
-# Every version the registry runs on Hopper only (the portable ones are tests/test_collapse.py's).
+# Every version the registry runs on Hopper only (v1 is tests/test_collapse.py's).
 HOPPER_VERSIONS = [n for n, v in VERSIONS.items() if v.min_compute_capability == 90]
 
 

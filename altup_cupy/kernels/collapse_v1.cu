@@ -9,8 +9,6 @@
 //   collapse_epilogue_v1: one block per row; each thread keeps CHUNKS 16-byte slices of s0 and
 //                         of every y_k in registers, so the row is read from memory exactly once
 //                         (up to H = 8192) and all N statistics come out of one block reduction.
-// collapse_v5.cu includes this file: its epilogue is this one's two halves (collapse_row_scales,
-// collapse_write_row) with the projections dropped from L2 after their last read.
 #include "common.cuh"
 
 // Threads per block that still leave each thread the registers for CHUNKS slices of N streams
@@ -51,90 +49,6 @@ __device__ __forceinline__ void collapse_load_sweep(
     }
 }
 
-// Where one block's row lies, in 16-byte slices (kVec elements), and how the block sweeps it.
-struct CollapseRow {
-    long long slice0;             // the row's first slice in stream 0, the output and each projection
-    long long projection_stride;  // slices from one projection to the next: rows * slices
-    int slices;                   // H / kVec
-    int sweep;                    // slices one sweep of the block covers: CHUNKS * blockDim.x
-    bool one_sweep;               // the row fits in one sweep, so it stays in registers
-};
-
-template <int CHUNKS>
-__device__ __forceinline__ CollapseRow collapse_row(const int hidden, const long long rows) {
-    CollapseRow row;
-    row.slices = hidden / kVec;
-    row.sweep = CHUNKS * blockDim.x;
-    row.one_sweep = row.slices <= row.sweep;
-    row.slice0 = static_cast<long long>(blockIdx.x) * row.slices;  // can pass 2^31
-    row.projection_stride = rows * row.slices;
-    return row;
-}
-
-// The row's statistics: loads s0 and every y_k (the last sweep stays in s0 and y) and returns in
-// `scale` target / mag_k with the final 1/N folded in, one factor per projection. Every thread of
-// the block gets the block's totals, so on return every thread has read its part of the row.
-template <int N, int CHUNKS>
-__device__ __forceinline__ void collapse_row_scales(
-    const uint4* __restrict__ stream0, const float4* __restrict__ projected, const CollapseRow& row,
-    const int hidden, const float eps, float* scratch,
-    float (&s0)[CHUNKS][kVec], float (&y)[N - 1][CHUNKS][kVec], float (&scale)[N - 1]) {
-    static_assert(N * CHUNKS <= ALTUP_COLLAPSE_SLICES_2, "no launch-bounds tier of _sources holds N * CHUNKS slices");
-    float sum_sq[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) sum_sq[k] = 0.0f;
-
-    for (int first = 0; first < row.slices; first += row.sweep) {
-        collapse_load_sweep<N, CHUNKS>(stream0, projected, row.slice0, row.projection_stride, first,
-                                       row.slices, s0, y);
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-                sum_sq[0] = fmaf(s0[c][e], s0[c][e], sum_sq[0]);
-#pragma unroll
-                for (int k = 0; k < N - 1; ++k) sum_sq[k + 1] = fmaf(y[k][c][e], y[k][c][e], sum_sq[k + 1]);
-            }
-    }
-    block_sum<N>(sum_sq, scratch);
-
-    const float inv_hidden = 1.0f / static_cast<float>(hidden);
-    const float inv_n = 1.0f / static_cast<float>(N);
-    const float target = sqrtf(sum_sq[0] * inv_hidden);
-#pragma unroll
-    for (int k = 0; k < N - 1; ++k)
-        scale[k] = target / sqrtf(fmaxf(sum_sq[k + 1] * inv_hidden, eps)) * inv_n;
-}
-
-// out = s0 / N + sum_k y_k * scale[k], in bf16. A row wider than one sweep is read a second time.
-template <int N, int CHUNKS>
-__device__ __forceinline__ void collapse_write_row(
-    const uint4* __restrict__ stream0, const float4* __restrict__ projected, uint4* __restrict__ out,
-    const CollapseRow& row, float (&s0)[CHUNKS][kVec], float (&y)[N - 1][CHUNKS][kVec],
-    const float (&scale)[N - 1]) {
-    const float inv_n = 1.0f / static_cast<float>(N);
-    for (int first = 0; first < row.slices; first += row.sweep) {
-        if (!row.one_sweep)
-            collapse_load_sweep<N, CHUNKS>(stream0, projected, row.slice0, row.projection_stride, first,
-                                           row.slices, s0, y);
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c) {
-            const int slice = first + threadIdx.x + c * blockDim.x;
-            if (slice < row.slices) {
-                float result[kVec];
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    float acc = s0[c][e] * inv_n;
-#pragma unroll
-                    for (int k = 0; k < N - 1; ++k) acc = fmaf(y[k][c][e], scale[k], acc);
-                    result[e] = acc;
-                }
-                out[row.slice0 + slice] = pack_bf16x8(result);
-            }
-        }
-    }
-}
-
 // N streams (N-1 projections), CHUNKS slices of kVec elements per thread per sweep. When the
 // row fits in one sweep (H / kVec <= CHUNKS * blockDim.x, every shape up to H = 8192) it stays
 // in registers between the statistics and the output; wider rows are read a second time.
@@ -146,11 +60,61 @@ __global__ void __launch_bounds__(collapse_max_threads(N, CHUNKS)) collapse_epil
     const int hidden,                       // H, divisible by kVec
     const long long rows,
     const float eps) {
+    static_assert(N * CHUNKS <= ALTUP_COLLAPSE_SLICES_2, "no launch-bounds tier of _sources holds N * CHUNKS slices");
     __shared__ float scratch[32 * N];
-    const CollapseRow row = collapse_row<CHUNKS>(hidden, rows);
+    const int slices = hidden / kVec;
+    const int sweep = CHUNKS * blockDim.x;
+    const bool one_sweep = slices <= sweep;
+    const long long row_slice0 = static_cast<long long>(blockIdx.x) * slices;  // can pass 2^31
+    const long long projection_stride = rows * slices;  // in slices of kVec floats
+
     float s0[CHUNKS][kVec];
     float y[N - 1][CHUNKS][kVec];
+    float sum_sq[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) sum_sq[k] = 0.0f;
+
+    for (int first = 0; first < slices; first += sweep) {
+        collapse_load_sweep<N, CHUNKS>(stream0, projected, row_slice0, projection_stride, first,
+                                       slices, s0, y);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                sum_sq[0] = fmaf(s0[c][e], s0[c][e], sum_sq[0]);
+#pragma unroll
+                for (int k = 0; k < N - 1; ++k) sum_sq[k + 1] = fmaf(y[k][c][e], y[k][c][e], sum_sq[k + 1]);
+            }
+    }
+    block_sum<N>(sum_sq, scratch);
+
+    // Fold target / mag_k and the final 1/N into one scale per stream.
+    const float inv_hidden = 1.0f / static_cast<float>(hidden);
+    const float inv_n = 1.0f / static_cast<float>(N);
+    const float target = sqrtf(sum_sq[0] * inv_hidden);
     float scale[N - 1];
-    collapse_row_scales<N, CHUNKS>(stream0, projected, row, hidden, eps, scratch, s0, y, scale);
-    collapse_write_row<N, CHUNKS>(stream0, projected, out, row, s0, y, scale);
+#pragma unroll
+    for (int k = 0; k < N - 1; ++k)
+        scale[k] = target / sqrtf(fmaxf(sum_sq[k + 1] * inv_hidden, eps)) * inv_n;
+
+    for (int first = 0; first < slices; first += sweep) {
+        if (!one_sweep)
+            collapse_load_sweep<N, CHUNKS>(stream0, projected, row_slice0, projection_stride, first,
+                                           slices, s0, y);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int slice = first + threadIdx.x + c * blockDim.x;
+            if (slice < slices) {
+                float result[kVec];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    float acc = s0[c][e] * inv_n;
+#pragma unroll
+                    for (int k = 0; k < N - 1; ++k) acc = fmaf(y[k][c][e], scale[k], acc);
+                    result[e] = acc;
+                }
+                out[row_slice0 + slice] = pack_bf16x8(result);
+            }
+        }
+    }
 }

@@ -1,14 +1,11 @@
 """The collapse's magnitude epilogue (`collapse_epilogue_v1`, kernels/collapse_v1.cu): stream 0 and
 the N-1 fp32 projections in, the bf16 result out. v1 launches it after cuBLAS's projections, v2
-(and v3, v4 where they split K) after the package's own GEMM. v5 launches `collapse_epilogue_v5`
-(kernels/collapse_v5.cu): v1's kernel, arguments and launch shape, with the projections dropped from
-L2 after their last read.
+(and v3, v4 where they split K) after the package's own GEMM.
 """
 
 from __future__ import annotations
 
 from .. import _sources
-from .._build import KernelSource
 from .._launch import PackedLaunch, ceil_div
 
 TARGET_THREADS = 512
@@ -30,16 +27,9 @@ def epilogue_launch_shape(streams: int, hidden: int) -> tuple[int, int]:
     return 1, _sources.collapse_max_threads(streams, 1)
 
 
-def _epilogue(source: KernelSource, kernel: str, streams: int, hidden: int) -> PackedLaunch:
-    """`kernel`'s launch for N = `streams` and H = `hidden` on the current device: one block per
-    row (the grid's x extent allows 2^31 - 1 rows), arguments as EPILOGUE_ARGS."""
-    chunks, threads = epilogue_launch_shape(streams, hidden)
-    return PackedLaunch(source.kernel(f"{kernel}<{streams}, {chunks}>"), threads, 0, EPILOGUE_ARGS)
-
-
 def epilogue_v1(streams: int, hidden: int) -> PackedLaunch:
-    return _epilogue(_sources.COLLAPSE_V1, "collapse_epilogue_v1", streams, hidden)
-
-
-def epilogue_v5(streams: int, hidden: int) -> PackedLaunch:
-    return _epilogue(_sources.COLLAPSE_V5, "collapse_epilogue_v5", streams, hidden)
+    """The epilogue's launch for N = `streams` and H = `hidden` on the current device: one block
+    per row (the grid's x extent allows 2^31 - 1 rows), arguments as EPILOGUE_ARGS."""
+    chunks, threads = epilogue_launch_shape(streams, hidden)
+    kernel = _sources.COLLAPSE_V1.kernel(f"collapse_epilogue_v1<{streams}, {chunks}>")
+    return PackedLaunch(kernel, threads, 0, EPILOGUE_ARGS)

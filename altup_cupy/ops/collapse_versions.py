@@ -7,10 +7,6 @@ stream, so CUDA graphs capture them: `_cublas`), into an fp32 workspace; then on
 are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One allocation a call
 holds the projections and cuBLASLt's workspace.
 v2-v4: the package's own Hopper GEMM (ops/collapse_hopper.py).
-v5: v1's launch sequence (`V1Plan`) in row blocks of at most `L2_BLOCK_BYTES` of fp32 projections,
-so that each block's epilogue reads them from L2 right after its GEMMs wrote them, and with
-`collapse_epilogue_v5`, which drops them from L2 after their last read (no write-back of dead
-lines). The workspace holds one such block.
 
 A plan is built once per (version, N, M, H, stacked weights or a list, device) and called as
 (hidden_states, weights, out, eps, stream, reuse_scratch) on inputs the op has validated.
@@ -19,45 +15,32 @@ A plan is built once per (version, N, M, H, stacked weights or a list, device) a
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import torch
 
 from .. import _cublas, _sources
-from .._launch import PackedLaunch, round_up
+from .._launch import round_up
 from . import collapse_hopper
 from ._registry import Version
-from .collapse_epilogue import epilogue_v1, epilogue_v5
+from .collapse_epilogue import epilogue_v1
 
 WORKSPACE_BYTES = 1 << 30
-# v5's row block: its fp32 projections stay in the H200's 60 MB of L2 from the GEMMs to the
-# epilogue, with room for what else passes through L2 meanwhile (weights, stream 0, the output).
-L2_BLOCK_BYTES = 24 << 20
 
 
-def rows_per_block(rows: int, streams: int, hidden: int, block_bytes: int) -> int:
-    """How many rows one GEMM + epilogue round handles: as many as `block_bytes` of fp32
-    projections hold, at least one."""
+def rows_per_block(rows: int, streams: int, hidden: int) -> int:
+    """How many rows one GEMM + epilogue round handles, given the fp32 workspace bound."""
     per_row = (streams - 1) * hidden * 4
-    return max(1, min(rows, block_bytes // per_row))
-
-
-def row_blocks(rows: int, block_rows: int) -> list[tuple[int, int]]:
-    """(first row, row count) of each round, in order; the last one may be shorter."""
-    return [(first, min(block_rows, rows - first)) for first in range(0, rows, block_rows)]
+    return max(1, min(rows, WORKSPACE_BYTES // per_row))
 
 
 class V1Plan:
-    """One shape's v1 (or v5): the GEMMs of each row block of at most `block_bytes` of fp32
-    projections, then the epilogue built by `epilogue(streams, hidden)`, all with packed
-    arguments."""
+    """One shape's v1: the GEMMs of each row block, then the epilogue, all with packed arguments."""
 
-    def __init__(self, streams: int, rows: int, hidden: int, stacked: bool, block_bytes: int,
-                 epilogue: Callable[[int, int], PackedLaunch]):
-        self.epilogue = epilogue(streams, hidden)
+    def __init__(self, streams: int, rows: int, hidden: int, stacked: bool):
+        self.epilogue = epilogue_v1(streams, hidden)
         self.streams, self.rows, self.hidden, self.stacked = streams, rows, hidden, stacked
-        self.block_rows = rows_per_block(rows, streams, hidden, block_bytes)
-        self.blocks = row_blocks(rows, self.block_rows)
+        self.block_rows = rows_per_block(rows, streams, hidden)
+        self.blocks = [(first, min(self.block_rows, rows - first)) for first in range(0, rows, self.block_rows)]
         # One GEMM per distinct row-block size: stacked weights in one strided batched call,
         # listed weights one call each.
         self.gemms = {
@@ -93,13 +76,7 @@ class V1Plan:
 @functools.lru_cache(maxsize=256)
 def _v1_plan(streams: int, rows: int, hidden: int, stacked: bool, device: int) -> V1Plan:
     with torch.cuda.device(device):
-        return V1Plan(streams, rows, hidden, stacked, WORKSPACE_BYTES, epilogue_v1)
-
-
-@functools.lru_cache(maxsize=256)
-def _v5_plan(streams: int, rows: int, hidden: int, stacked: bool, device: int) -> V1Plan:
-    with torch.cuda.device(device):
-        return V1Plan(streams, rows, hidden, stacked, L2_BLOCK_BYTES, epilogue_v5)
+        return V1Plan(streams, rows, hidden, stacked)
 
 
 VERSIONS = {
@@ -121,8 +98,6 @@ VERSIONS = {
     4: Version(4, "the CTA finishing a row block normalises it from L2: one launch, no epilogue pass",
                (_sources.COLLAPSE_V4, _sources.COLLAPSE_V2, _sources.COLLAPSE_V1), lambda streams, hidden: True,
                functools.partial(collapse_hopper.plan, 4)),
-    5: Version(5, "v1 in row blocks whose fp32 projections fit in L2, dropped from L2 once the epilogue has "
-                  "read them", (_sources.COLLAPSE_V5,), lambda streams, hidden: True, _v5_plan),
 }
 # The default: the first of these that runs on the device and shape.
 PREFERENCE = (1,)
