@@ -10,6 +10,7 @@ compile. tests/test_sources.py checks that every define a source uses is given t
 from __future__ import annotations
 
 from ._build import KernelSource
+from ._launch import ceil_div
 
 SUPPORTED_STREAMS = (2, 3, 4)
 
@@ -28,7 +29,7 @@ def collapse_max_threads(streams: int, chunks: int) -> int:
 
 # ---- predict-correct backward -------------------------------------------------------------------
 
-REDUCE_THREADS = 1024  # predict_correct_backward_reduce: 32 warps over 32 float4 columns
+REDUCE_THREADS = 1024  # predict_correct_backward_reduce: 32 warps over 32 columns
 V1_THREADS = 256
 V1_STAGES = ("forward_stats", "correction_grads", "correct_router_bwd", "prediction_grads",
              "predict_router_bwd", "elementwise", "weight_grads", "coef_grads")
@@ -50,7 +51,7 @@ V3_TWO_BLOCK_THREADS = 320
 V3_ONE_BLOCK_THREADS = 512
 # v4: one slice per compute thread plus the scalar warp (H <= 2560), at most V4_MAX_STAGES ring
 # stages; V4_STATIC_SHARED_BOUND bounds its static shared memory (V4Shared<N> and the stage
-# barriers: 5.1 KiB for N = 4) so the host can decide without a GPU whether a ring fits.
+# barriers: 5.4 KiB for N = 4) so the host can decide without a GPU whether a ring fits.
 V4_MAX_THREADS = 352
 V4_MAX_STAGES = 6
 V4_STATIC_SHARED_BOUND = 6 * 1024
@@ -62,9 +63,16 @@ def token_stats_size(streams: int) -> int:
 
 
 def partial_stride(streams: int, hidden: int) -> int:
-    """Floats in one block's weight-gradient partials: dR [N*H] | dw [H] | dP [N^3] | dQ [N^2].
-    A multiple of 4 (H is a multiple of 8, N^2 (N + 1) one of 4): the reduction reads float4."""
-    return (streams + 1) * hidden + streams**3 + streams**2
+    """Floats in one block's weight-gradient partials: dR [N*H] | dw [H] in fp32, then dP [N^3] |
+    dQ [N^2] in fp64, two floats each (kernels/weight_grad_partials.cuh says why). A multiple of 4
+    (H is a multiple of 8, 2 N^2 (N + 1) one of 4): the reductions read 16-byte columns."""
+    return (streams + 1) * hidden + 2 * (streams**3 + streams**2)
+
+
+def reduce_blocks(streams: int, hidden: int) -> int:
+    """Grid of predict_correct_backward_reduce<streams>: a block per 32 float4 columns of the
+    partials' fp32 part, then a block per 32 fp64 coefficient-gradient entries."""
+    return ceil_div((streams + 1) * hidden, 4 * 32) + ceil_div(streams**3 + streams**2, 32)
 
 
 def _per_stream(name: str, value) -> dict[str, int]:

@@ -38,11 +38,11 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&in)[kVec]) {
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) { return __ldcs(p); }
 __device__ __forceinline__ float4 load_streaming(const float4* p) { return __ldcs(p); }
 
-// Sum NV values over the whole block at once, in a fixed order, so the result is bitwise
-// reproducible. Every thread receives the totals. blockDim.x must be a multiple of 32 and at
-// most 1024; `scratch` holds 32 * NV floats of shared memory.
-template <int NV>
-__device__ __forceinline__ void block_sum(float (&v)[NV], float* scratch) {
+// Sum NV values (float or double) over the whole block at once, in a fixed order, so the result
+// is bitwise reproducible. Every thread receives the totals. blockDim.x must be a multiple of 32
+// and at most 1024; `scratch` holds 32 * NV values of shared memory.
+template <int NV, typename T>
+__device__ __forceinline__ void block_sum(T (&v)[NV], T* scratch) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
 #pragma unroll
@@ -57,7 +57,7 @@ __device__ __forceinline__ void block_sum(float (&v)[NV], float* scratch) {
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-        float s = lane < warps ? scratch[i * 32 + lane] : 0.0f;
+        T s = lane < warps ? scratch[i * 32 + lane] : T(0);
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
         v[i] = s;

@@ -358,23 +358,24 @@ __global__ void __launch_bounds__(ALTUP_V1_THREADS) predict_correct_backward_v1_
 }
 
 // Stage 7b, coefficient weight gradients: block (x = entry, y = token chunk) sums one entry of
-//   dP[N*i+j][l] = sum_t dC_ij m_p_l   or   dQ[i][l] = sum_t gk_i m_c_l   over its tokens.
+//   dP[N*i+j][l] = sum_t dC_ij m_p_l   or   dQ[i][l] = sum_t gk_i m_c_l   over its tokens,
+// in fp64 (weight_grad_partials.cuh says why).
 template <int N>
 __global__ void __launch_bounds__(ALTUP_V1_THREADS) predict_correct_backward_v1_coef_grads(
     const float* __restrict__ stats, float* __restrict__ partials, const int hidden,
     const long long tokens, const long long tokens_per_chunk) {
     using S = TokenStats<N>;
-    __shared__ float scratch[32];
+    __shared__ double scratch[32];
     const int entry = blockIdx.x;  // 0 .. N^3 + N^2 - 1
     int lhs, rhs;
     if (entry < N * N * N) { lhs = S::dC + entry / N; rhs = S::m_p + entry % N; }
     else { const int q = entry - N * N * N; lhs = S::gk + q / N; rhs = S::m_c + q % N; }
     const long long first = blockIdx.y * tokens_per_chunk;
     const long long last = min(tokens, first + tokens_per_chunk);
-    float acc[1] = {0.0f};
+    double acc[1] = {0.0};
     for (long long t = first + threadIdx.x; t < last; t += blockDim.x)
-        acc[0] += stats[t * S::size + lhs] * stats[t * S::size + rhs];
+        acc[0] += static_cast<double>(stats[t * S::size + lhs]) * stats[t * S::size + rhs];
     block_sum<1>(acc, scratch);
     if (threadIdx.x == 0)
-        partials[blockIdx.y * partial_stride(N, hidden) + static_cast<long long>(N + 1) * hidden + entry] = acc[0];
+        coef_grad_partials<N>(partials + blockIdx.y * partial_stride(N, hidden), hidden)[entry] = acc[0];
 }

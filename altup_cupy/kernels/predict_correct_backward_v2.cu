@@ -58,6 +58,10 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
     __shared__ float scratch[32 * (NR1 > NR2 ? NR1 : NR2)];
     __shared__ float P[N * N * N], Q[N * N];
     __shared__ float tok[N * N + N + N + N];  // this token's dC | gk | m_p | m_c, for the coef partials
+    // Thread i < NCOEF owns entry i of the block's dP | dQ partials, in fp64 (weight_grad_partials.cuh
+    // says why) and in shared memory: a register pair held across the token loop cost
+    // v2<4, a, 2, false> its second block per SM.
+    __shared__ double coef_grads[NCOEF];
 
     const int slices = hidden / kVec;
     const long long slices_ll = slices;
@@ -158,7 +162,7 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
     for (int q = 0; q < (N + 1) * SLICES; ++q)
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc(q, e) = 0.0f;
-    float coef_acc = 0.0f;  // thread i < NCOEF owns entry i of dP | dQ
+    if (threadIdx.x < NCOEF) coef_grads[threadIdx.x] = 0.0;
     int coef_lhs = 0, coef_rhs = 0;
     if (threadIdx.x < N * N * N) { coef_lhs = threadIdx.x / N; coef_rhs = N * N + N + threadIdx.x % N; }
     else if (threadIdx.x < NCOEF) {
@@ -278,7 +282,7 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
             }
         }
         block_sum<2>(r3, scratch);  // its barriers also publish tok[] (written by thread 0 above)
-        if (threadIdx.x < NCOEF) coef_acc = fmaf(tok[coef_lhs], tok[coef_rhs], coef_acc);
+        if (threadIdx.x < NCOEF) coef_grads[threadIdx.x] += static_cast<double>(tok[coef_lhs]) * tok[coef_rhs];
         // gx = r gu - r^3 x <gu, x> / H, with <gu, x> = r3 / H
         const float coef_p = r_p * r_p * r_p * r3[0] * inv_h * inv_h;
         const float coef_c = r_c * r_c * r_c * r3[1] * inv_h * inv_h;
@@ -346,5 +350,5 @@ predict_correct_backward_v2(const uint4* __restrict__ grad, const uint4* __restr
             p[1] = make_float4(acc(q, 4), acc(q, 5), acc(q, 6), acc(q, 7));
         }
     }
-    if (threadIdx.x < NCOEF) out[static_cast<long long>(N + 1) * hidden + threadIdx.x] = coef_acc;
+    if (threadIdx.x < NCOEF) coef_grad_partials<N>(out, hidden)[threadIdx.x] = coef_grads[threadIdx.x];
 }

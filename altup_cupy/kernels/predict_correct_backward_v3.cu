@@ -55,11 +55,12 @@ struct V3Scalars {
 
 // Warp 0 turns one token's reduced values into the broadcast coefficients, and adds this
 // token's contribution to the block's coefficient gradients (in shared memory, each entry owned
-// by one lane).
+// by one lane, as an fp32 sum and its rounding error: add_product_compensated).
 template <int N, int A>
 __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3Scalars<N>& sc, float* __restrict__ coefs,
                                                  const float* __restrict__ P, const float* __restrict__ Q,
-                                                 float inv_h, float eps, float* __restrict__ coef_grads) {
+                                                 float inv_h, float eps, float* __restrict__ coef_grads,
+                                                 float* __restrict__ coef_grad_errors) {
     using L = SliceLayout<N>;
     const int lane = threadIdx.x & 31;
     const float r_p = rsqrtf(t[L::kSsA] * inv_h + eps);
@@ -112,8 +113,9 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
     __syncwarp();
     // 6. coefficient gradients: dP[N*i+j][l] += dC_ij m_p[l], dQ[i][l] += gk_i m_c[l]
     for (int e = lane; e < L::kCoefGrads; e += 32) {
-        if (e < N * N * N) coef_grads[e] += sc.dC[e / N] * sc.m_p[e % N];
-        else coef_grads[e] += sc.gk[(e - N * N * N) / N] * sc.m_c[(e - N * N * N) % N];
+        if (e < N * N * N) add_product_compensated(coef_grads[e], coef_grad_errors[e], sc.dC[e / N], sc.m_p[e % N]);
+        else add_product_compensated(coef_grads[e], coef_grad_errors[e], sc.gk[(e - N * N * N) / N],
+                                     sc.m_c[(e - N * N * N) % N]);
     }
     // 7. the broadcast coefficients
     for (int c = lane; c < L::kCoefs; c += 32) {
@@ -148,13 +150,15 @@ __device__ __forceinline__ void v3_token_scalars(const float* __restrict__ t, V3
 // matrices in fp32 (v4: V4Shared). The coefficient gradients live here, not in warp 0's
 // registers: every thread runs the same code, so registers held for warp 0 are held by all, and
 // at N = 4 with two blocks per SM (96 registers a thread) they made sm_86/sm_89 builds spill.
+// For the same reason they are fp32 pairs, not fp64: an fp64 accumulator (v4's) spilled.
 template <int N>
 struct V3Shared {
     float scratch[SliceLayout<N>::kValues][33];  // per-warp partial sums (+1: no bank conflicts)
     float totals[SliceLayout<N>::kValues];
     float coefs[SliceLayout<N>::kCoefs];
     V3Scalars<N> token_scalars;
-    float coef_grads[SliceLayout<N>::kCoefGrads];  // the block's dP | dQ partials
+    float coef_grads[SliceLayout<N>::kCoefGrads];        // the block's dP | dQ partials
+    float coef_grad_errors[SliceLayout<N>::kCoefGrads];  // and their rounding errors
     float P[N * N * N], Q[N * N];  // read by warp 0 for every token
 };
 
@@ -174,17 +178,10 @@ __device__ __forceinline__ void v3_reduce_token(float (&v)[SliceLayout<N>::kValu
     if (warp == 0) {
         sum_warp_totals<N>(sh.scratch, sh.totals, warps);
         __syncwarp();
-        v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs, sh.P, sh.Q, inv_h, eps, sh.coef_grads);
+        v3_token_scalars<N, A>(sh.totals, sh.token_scalars, sh.coefs, sh.P, sh.Q, inv_h, eps, sh.coef_grads,
+                               sh.coef_grad_errors);
     }
     __syncthreads();
-}
-
-// Warp 0 writes the block's coefficient-gradient partials (dP then dQ), each lane the entries it
-// accumulated.
-template <int N>
-__device__ __forceinline__ void v3_write_coef_partials(float* __restrict__ part, const float* __restrict__ coef_grads,
-                                                       const int hidden) {
-    for (int e = threadIdx.x & 31; e < SliceLayout<N>::kCoefGrads; e += 32) part[(N + 1) * hidden + e] = coef_grads[e];
 }
 
 template <int N, int A, int SLICES, int MIN_BLOCKS>
@@ -193,7 +190,7 @@ predict_correct_backward_v3(SINGLE_PASS_BACKWARD_PARAMETERS) {
     using L = SliceLayout<N>;
     extern __shared__ float S[];  // [N][SLICES][8][blockDim.x]: this block's S
     __shared__ V3Shared<N> sh;
-    for (int e = threadIdx.x; e < L::kCoefGrads; e += blockDim.x) sh.coef_grads[e] = 0.0f;
+    for (int e = threadIdx.x; e < L::kCoefGrads; e += blockDim.x) sh.coef_grads[e] = sh.coef_grad_errors[e] = 0.0f;
     stage_coefficients<N>(sh, P, Q);  // its barrier also publishes the zeros
 
     const int slices = hidden / kVec;
@@ -242,5 +239,9 @@ predict_correct_backward_v3(SINGLE_PASS_BACKWARD_PARAMETERS) {
             for (int e = 0; e < kVec; ++e) s[n][e] = s_at(n, c, e);
         slice_write_router_partials<N>(part, s, router, norm, slice, slices, inv_h);
     }
-    if (threadIdx.x < 32) v3_write_coef_partials<N>(part, sh.coef_grads, hidden);
+    if (threadIdx.x < 32) {
+        write_coef_grad_partials<N>(part, hidden, [&](int e) {
+            return static_cast<double>(sh.coef_grads[e]) + sh.coef_grad_errors[e];
+        });
+    }
 }

@@ -64,11 +64,11 @@ struct V4RouterTimesNorm {
 // tiny matrices held in registers: every lane of the scalar warp computes the same values (no
 // divergence, no shared-memory round trips between steps), so the chain is short; it is the
 // critical path of a token when a block has few tokens. The coefficient gradients dP | dQ
-// accumulate in shared memory (lane 0). v3 keeps the lane-parallel form: its warp 0 has 96
-// registers, and this one needs more for N = 4.
+// accumulate in fp64 in shared memory (lane 0; weight_grad_partials.cuh says why). v3 keeps the
+// lane-parallel form: its warp 0 has 96 registers, and this one needs more for N = 4.
 template <int N, int A>
 __device__ __forceinline__ void v4_token_scalars(const float* __restrict__ t, float* __restrict__ coefs,
-                                                 float* __restrict__ coef_grads, const float* __restrict__ P,
+                                                 double* __restrict__ coef_grads, const float* __restrict__ P,
                                                  const float* __restrict__ Q, const float inv_h, const float eps) {
     using L = SliceLayout<N>;
     const float* v = t;
@@ -111,11 +111,11 @@ __device__ __forceinline__ void v4_token_scalars(const float* __restrict__ t, fl
         gz_p[l] *= 1.0f - m_p[l] * m_p[l];
     }
     if ((threadIdx.x & 31) != 0) return;
-    // coefficient gradients: dP[N*i+j][l] += dC_ij m_p[l], dQ[i][l] += gk_i m_c[l]
+    // coefficient gradients: dP[N*i+j][l] += dC_ij m_p[l], dQ[i][l] += gk_i m_c[l] (fp64 products: exact)
 #pragma unroll
-    for (int e = 0; e < N * N * N; ++e) coef_grads[e] += dC[e / N] * m_p[e % N];
+    for (int e = 0; e < N * N * N; ++e) coef_grads[e] += static_cast<double>(dC[e / N]) * m_p[e % N];
 #pragma unroll
-    for (int e = 0; e < N * N; ++e) coef_grads[N * N * N + e] += gk[e / N] * m_c[e % N];
+    for (int e = 0; e < N * N; ++e) coef_grads[N * N * N + e] += static_cast<double>(gk[e / N]) * m_c[e % N];
     // the broadcast coefficients: B[j][l] = (d_lj + C_lj) - (d_aj + C_aj) k_l, k, alpha = r gz / H,
     // beta = r^3 <gu, x> / H with <gu, x> = (1/H) sum_n gz_n (R w x)_n, sigma = r gz
 #pragma unroll
@@ -138,15 +138,6 @@ __device__ __forceinline__ void v4_token_scalars(const float* __restrict__ t, fl
     coefs[L::kBetaC] = r_c * r_c * r_c * gu_c * inv_h * inv_h;
 }
 
-// The block's coefficient-gradient partials from shared memory to predict_correct_backward_reduce' layout,
-// by one warp.
-template <int N>
-__device__ __forceinline__ void v4_write_coef_partials(float* __restrict__ part, const float* __restrict__ coef_grads,
-                                                       const int hidden) {
-    __syncwarp();  // lane 0 wrote the accumulators
-    for (int e = threadIdx.x & 31; e < SliceLayout<N>::kCoefGrads; e += 32) part[(N + 1) * hidden + e] = coef_grads[e];
-}
-
 // A barrier over the whole block that the two warp roles reach from different code: bar.sync
 // counts arriving threads, whatever instruction they arrive from, and orders their memory accesses.
 __device__ __forceinline__ void block_barrier() { asm volatile("bar.sync 0;" ::: "memory"); }
@@ -158,7 +149,7 @@ struct V4Shared {
     float scratch[2][SliceLayout<N>::kValues][17];  // per-compute-warp sums (<= 16 warps; odd: no bank conflicts)
     float totals[SliceLayout<N>::kValues];
     float coefs[2][SliceLayout<N>::kCoefs];
-    float coef_grads[SliceLayout<N>::kCoefGrads];  // the block's dP | dQ partials
+    double coef_grads[SliceLayout<N>::kCoefGrads];  // the block's dP | dQ partials
     float P[N * N * N], Q[N * N];
 };
 
@@ -206,7 +197,7 @@ __device__ __forceinline__ void v4_block_backward(SINGLE_PASS_BACKWARD_PARAMETER
         for (int s = 0; s < stages; ++s) mbarrier_init(&stage_full[s], 1);
         fence_mbarrier_init();
     }
-    for (int e = threadIdx.x; e < L::kCoefGrads; e += blockDim.x) sh.coef_grads[e] = 0.0f;
+    for (int e = threadIdx.x; e < L::kCoefGrads; e += blockDim.x) sh.coef_grads[e] = 0.0;
     __syncthreads();
     if (scalar_warp && lane == 0)
         for (int j = 0; j < stages && j < count; ++j) load_token(j, j);
@@ -242,7 +233,7 @@ __device__ __forceinline__ void v4_block_backward(SINGLE_PASS_BACKWARD_PARAMETER
                 if (++refill == stages) refill = 0;
             }
         }
-        v4_write_coef_partials<N>(part, sh.coef_grads, hidden);
+        write_coef_grad_partials<N>(part, hidden, [&](int e) { return sh.coef_grads[e]; });
         return;
     }
 

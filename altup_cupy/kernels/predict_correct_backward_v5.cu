@@ -33,45 +33,54 @@ __device__ __forceinline__ bool v5_last_to_arrive(unsigned int* counter, const u
     return true;
 }
 
-// Column sum of `rows` partial rows (row r at rows_base + r * row_step, each stride4 float4), in
-// row order per column: deterministic. One block does it alone, so what costs is L2 latency: each
-// thread takes kColumns columns at a time (threadIdx.x + c * blockDim.x) and issues kBatch rows
-// of loads for each before adding them (absent rows load as +0). Loads bypass L1 (__ldcg: other
-// blocks wrote the rows). `store(e4, sum)` writes a column's sum.
-template <typename Store>
-__device__ __forceinline__ void v5_sum_rows(const float4* rows_base, const long long row_step, const int rows,
-                                            const long long stride4, Store store) {
+// Column sums of `rows` partial rows (row r at rows_base + r * row_step, in 16-byte columns) over
+// the columns [begin, end), all of one kind (Column: float4 or double2), in row order per column:
+// deterministic. One block does it alone, so what costs is L2 latency: each thread takes kColumns
+// columns at a time (threadIdx.x + c * blockDim.x) and issues kBatch rows of loads for each
+// before adding them (absent rows load as +0). Loads bypass L1 (__ldcg: other blocks wrote the
+// rows). `store(e4, sum)` writes a column's sum.
+template <typename Column, typename Store>
+__device__ __forceinline__ void v5_sum_rows(const Column* rows_base, const long long row_step, const int rows,
+                                            const long long begin, const long long end, Store store) {
     constexpr int kBatch = 8, kColumns = 2;
-    for (long long first = threadIdx.x; first < stride4; first += kColumns * blockDim.x) {
-        float4 sum[kColumns] = {};
+    for (long long first = begin + threadIdx.x; first < end; first += kColumns * blockDim.x) {
+        Column sum[kColumns] = {};
         for (int r0 = 0; r0 < rows; r0 += kBatch) {
-            float4 x[kColumns][kBatch];
+            Column x[kColumns][kBatch];
 #pragma unroll
             for (int c = 0; c < kColumns; ++c) {
                 const long long e4 = first + c * blockDim.x;
 #pragma unroll
                 for (int k = 0; k < kBatch; ++k)
-                    x[c][k] = e4 < stride4 && r0 + k < rows ? __ldcg(rows_base + (r0 + k) * row_step + e4)
-                                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    x[c][k] = e4 < end && r0 + k < rows ? __ldcg(rows_base + (r0 + k) * row_step + e4) : Column{};
             }
 #pragma unroll
             for (int c = 0; c < kColumns; ++c)
 #pragma unroll
-                for (int k = 0; k < kBatch; ++k) add_float4(sum[c], x[c][k]);
+                for (int k = 0; k < kBatch; ++k) add_column(sum[c], x[c][k]);
         }
 #pragma unroll
         for (int c = 0; c < kColumns; ++c)
-            if (first + c * blockDim.x < stride4) store(first + c * blockDim.x, sum[c]);
+            if (first + c * blockDim.x < end) store(first + c * blockDim.x, sum[c]);
     }
+}
+
+// v5_sum_rows over every column of the partial rows: the router and norm-weight columns in fp32
+// (float4), the coefficient-gradient columns in fp64 (double2; weight_grad_partials.cuh says why).
+// `store(e4, sum)` takes either kind.
+template <int N, typename Store>
+__device__ __forceinline__ void v5_sum_partial_rows(const float4* rows_base, const long long row_step, const int rows,
+                                                    const int hidden, Store store) {
+    const long long fp32_end = fp32_columns<N>(hidden), end = partial_stride(N, hidden) / 4;
+    v5_sum_rows(rows_base, row_step, rows, 0, fp32_end, store);
+    v5_sum_rows(reinterpret_cast<const double2*>(rows_base), row_step, rows, fp32_end, end, store);
 }
 
 // The cross-block sum, by every thread of every block after the block's partial row is written.
 // tickets: [groups + 1] counters, zero between launches (groups per group counter, then one).
 template <int N>
 __device__ __forceinline__ void v5_reduce_partials(float* __restrict__ partials, unsigned int* __restrict__ tickets,
-                                                   const int group_size, const int hidden,
-                                                   float* __restrict__ grad_router, float* __restrict__ grad_norm,
-                                                   float* __restrict__ grad_pred, float* __restrict__ grad_corr) {
+                                                   const int group_size, const int hidden, const WeightGrads<N> grads) {
     const long long stride4 = partial_stride(N, hidden) / 4;
     const int blocks = static_cast<int>(gridDim.x);
     const int groups = (blocks + group_size - 1) / group_size;
@@ -83,11 +92,12 @@ __device__ __forceinline__ void v5_reduce_partials(float* __restrict__ partials,
     // The group's rows, in block order, into the group's first row (only this block touches
     // them now: every member has arrived).
     float4* group_row = rows + first * stride4;
-    v5_sum_rows(group_row, stride4, members, stride4, [&](long long e4, float4 sum) { __stcg(group_row + e4, sum); });
-    if (!v5_last_to_arrive(&tickets[groups], static_cast<unsigned int>(groups))) return;
-    v5_sum_rows(rows, group_size * stride4, groups, stride4, [&](long long e4, float4 sum) {
-        store_weight_grads<N>(e4, sum, hidden, grad_router, grad_norm, grad_pred, grad_corr);
+    v5_sum_partial_rows<N>(group_row, stride4, members, hidden, [&](long long e4, auto sum) {
+        __stcg(reinterpret_cast<decltype(sum)*>(group_row) + e4, sum);
     });
+    if (!v5_last_to_arrive(&tickets[groups], static_cast<unsigned int>(groups))) return;
+    v5_sum_partial_rows<N>(rows, group_size * stride4, groups, hidden,
+                           [&](long long e4, auto sum) { grads.store(e4, sum); });
 }
 
 template <int N, int A>
@@ -98,5 +108,5 @@ __global__ void __launch_bounds__(ALTUP_V4_MAX_THREADS, 1) predict_correct_backw
     float* __restrict__ grad_router, float* __restrict__ grad_norm,  // [N, H], [H] fp32
     float* __restrict__ grad_pred, float* __restrict__ grad_corr) {  // [N*N, N], [N, N] fp32
     v4_block_backward<N, A>(grad, hs, act, P, Q, router, norm, grad_hs, grad_act, partials, hidden, tokens, eps, stages);
-    v5_reduce_partials<N>(partials, tickets, group_size, hidden, grad_router, grad_norm, grad_pred, grad_corr);
+    v5_reduce_partials<N>(partials, tickets, group_size, hidden, {grad_router, grad_norm, grad_pred, grad_corr, hidden});
 }

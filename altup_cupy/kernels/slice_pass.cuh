@@ -3,6 +3,7 @@
 // the value layout of the block reduction, the router/norm partials, and the parameters the
 // kernels share. The derivation is in predict_correct_backward_v3.cu.
 #pragma once
+#include "weight_grad_partials.cuh"
 
 // The parameters the single-pass backward kernels (v3, v4, v5) begin with, in the order the host
 // passes them (MAIN_ARGS in ops/predict_correct_backward_versions.py); a kernel adds its own after.
@@ -115,6 +116,16 @@ __device__ __forceinline__ void sum_warp_totals(const float (&scratch)[SliceLayo
         for (int w = 0; w < warps; ++w) total += scratch[lane][w];
         totals[lane] = total;
     }
+}
+
+// The block's coefficient-gradient partials (dP then dQ, fp64; entry e is value(e), from shared
+// memory) into its partial row, by the warp that accumulated them (v3: warp 0, v4: the scalar warp).
+template <int N, typename Value>
+__device__ __forceinline__ void write_coef_grad_partials(float* __restrict__ part, const int hidden,
+                                                         const Value& value) {
+    __syncwarp();  // v4's lane 0 accumulated every entry
+    double* out = coef_grad_partials<N>(part, hidden);
+    for (int e = threadIdx.x & 31; e < SliceLayout<N>::kCoefGrads; e += 32) out[e] = value(e);
 }
 
 // Pass 2, first part: the slice's S[n] += sigma_p[n] h_a + sigma_c[n] act (c: the token's

@@ -64,7 +64,7 @@ class _Reduce:
     def __init__(self, streams: int, hidden: int):
         kernel = S.PREDICT_CORRECT_BACKWARD_REDUCE.kernel(f"predict_correct_backward_reduce<{streams}>")
         self.launch = PackedLaunch(kernel, S.REDUCE_THREADS, 0, ("ptr", "i32", "i32", "ptr", "ptr", "ptr", "ptr"))
-        self.grid = ceil_div(S.partial_stride(streams, hidden) // 4, 32)  # 32 float4 columns a block
+        self.grid = S.reduce_blocks(streams, hidden)
         self.hidden = hidden
 
     def __call__(self, stream: int, partials: int, blocks: int, outs) -> None:
