@@ -160,15 +160,6 @@ PREDICT_CORRECT_BACKWARD_V4 = KernelSource(
              "V4_STATIC_SHARED_BOUND": V4_STATIC_SHARED_BOUND, **_PARTIALS},
 )
 
-# Hopper only: v4 with the weight gradients' cross-block sum in the kernel (v4's defines: it
-# includes v4's source for its helpers).
-PREDICT_CORRECT_BACKWARD_V5 = KernelSource(
-    "predict_correct_backward_v5.cu",
-    tuple(f"predict_correct_backward_v5<{n}, {a}>" for n in SUPPORTED_STREAMS for a in range(n)),
-    min_arch=90,
-    defines=PREDICT_CORRECT_BACKWARD_V4.defines,
-)
-
 # ---- Gemma 3n's AltUp steps (altup_cupy.torch, altup_cupy.gemma3n) ----------------------------
 
 # One block per token holds a row in H / 8 threads: H <= 8 * ROW_THREADS_MAX (3072; Gemma 3n has
@@ -206,7 +197,6 @@ ALL_SOURCES = (
     PREDICT_CORRECT_BACKWARD_V2,
     PREDICT_CORRECT_BACKWARD_V3,
     PREDICT_CORRECT_BACKWARD_V4,
-    PREDICT_CORRECT_BACKWARD_V5,
     ALTUP_PREDICT_V1,
     ALTUP_CORRECT_V1,
     ALTUP_MAGNITUDE_MATCH_V1,

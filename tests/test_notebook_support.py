@@ -84,3 +84,12 @@ def test_version_table_lists_every_registered_version_and_the_default_order(op):
     assert [row.split(" | ")[0] for row in rows] == [f"| v{n}" for n in sorted(registry.VERSIONS)]
     assert "`altup_cupy_v1`" in rows[0] and all(row.endswith("| no |") for row in rows[1:])
     assert f"runs v{registry.PREFERENCE[0]}" in table
+    assert "no longer in the registry" not in table
+
+
+def test_version_table_names_recorded_versions_the_registry_dropped():
+    rows = [{"impl": "altup_cupy_v1"}, {"impl": "altup_cupy_v99"}, {"impl": "altup_cupy"}]
+    table = nbs.version_table("predict_correct_backward", rows)
+    assert "| v99 |" not in table
+    assert table.endswith("no longer in the registry: `altup_cupy_v99` (measured before the version was dropped; "
+                          "git history keeps its code).")

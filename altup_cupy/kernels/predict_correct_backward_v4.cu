@@ -158,8 +158,8 @@ static_assert(sizeof(V4Shared<4>) + ALTUP_V4_MAX_STAGES * sizeof(unsigned long l
               "_sources.V4_STATIC_SHARED_BOUND");
 
 // Everything a v4 block does: its tokens, then its weight-gradient partial row (each warp returns
-// once it has written its share; v5's kernel goes on from there). Dynamic shared memory (host:
-// v4_shared_bytes): `stages` stages of (2N+1) rows of H bf16, then the R * w planes, N * H fp32.
+// once it has written its share). Dynamic shared memory (host: v4_shared_bytes): `stages` stages
+// of (2N+1) rows of H bf16, then the R * w planes, N * H fp32.
 template <int N, int A>
 __device__ __forceinline__ void v4_block_backward(SINGLE_PASS_BACKWARD_PARAMETERS, const int stages) {
     using L = SliceLayout<N>;

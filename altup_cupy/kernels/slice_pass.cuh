@@ -1,11 +1,11 @@
-// slice_pass.cuh: the per-slice arithmetic of the single-pass backward (v3, v4, v5): the token's
+// slice_pass.cuh: the per-slice arithmetic of the single-pass backward (v3, v4): the token's
 // dot products (pass 1) and its outputs and S accumulation (pass 2) for one 8-element slice,
 // the value layout of the block reduction, the router/norm partials, and the parameters the
 // kernels share. The derivation is in predict_correct_backward_v3.cu.
 #pragma once
 #include "weight_grad_partials.cuh"
 
-// The parameters the single-pass backward kernels (v3, v4, v5) begin with, in the order the host
+// The parameters the single-pass backward kernels (v3, v4) begin with, in the order the host
 // passes them (MAIN_ARGS in ops/predict_correct_backward_versions.py); a kernel adds its own after.
 #define SINGLE_PASS_BACKWARD_PARAMETERS                                                       \
     const uint4* __restrict__ grad,        /* [N, M, H] bf16 */                               \

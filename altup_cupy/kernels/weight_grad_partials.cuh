@@ -1,5 +1,5 @@
 // weight_grad_partials.cuh: the per-block weight-gradient partials every backward version writes
-// and predict_correct_backward_reduce (or v5's in-kernel sum) adds up.
+// and predict_correct_backward_reduce adds up.
 #pragma once
 
 // Per-block weight-gradient partial layout: dR [N*H] | dw [H] in fp32, then the coefficient
@@ -62,9 +62,6 @@ __device__ __forceinline__ void add_product_compensated(float& sum, float& error
 __device__ __forceinline__ void add_column(float4& sum, const float4 x) {
     sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
 }
-__device__ __forceinline__ void add_column(double2& sum, const double2 x) {
-    sum.x += x.x; sum.y += x.y;
-}
 __device__ __forceinline__ void add_column(double& sum, const double x) { sum += x; }
 
 // The four fp32 weight gradients, written from the partials' column sums: an fp32 column e4 into
@@ -92,11 +89,5 @@ struct WeightGrads {
     __device__ __forceinline__ void store_coef_grad(const int c, const double sum) const {
         if (c < N * N * N) pred[c] = static_cast<float>(sum);
         else corr[c - N * N * N] = static_cast<float>(sum);
-    }
-    // The 16-byte column e4 of the fp64 part (e4 >= fp32_columns): two entries of dP | dQ.
-    __device__ __forceinline__ void store(const long long e4, const double2 sum) const {
-        const int c = static_cast<int>(2 * (e4 - fp32_columns<N>(hidden)));
-        store_coef_grad(c, sum.x);
-        store_coef_grad(c + 1, sum.y);
     }
 };

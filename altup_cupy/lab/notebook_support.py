@@ -23,7 +23,7 @@ from typing import Sequence
 
 from .._device import gpu_status
 from .bench import csv_path, read_csv, run_info
-from .figures import parse_rows
+from .figures import impl_version, parse_rows
 from .paths import PACKAGE_DIR, RECORDED_RESULTS_DIR, REPO_ROOT
 
 
@@ -168,7 +168,8 @@ def ncu_excerpt(launch: dict, keys: Sequence[str]) -> str:
 def version_table(op: str, rows: Sequence[dict] = ()) -> str:
     """Markdown: `op`'s kernel versions as its registry (`altup_cupy.ops.<op>_versions`) lists them,
     with the compute capability each needs, what it changed, whether `rows` hold it as its own
-    `altup_cupy_v<n>` line, and the order in which the default `altup_cupy` picks among them."""
+    `altup_cupy_v<n>` line, the order in which the default `altup_cupy` picks among them, and the
+    `altup_cupy_v<n>` lines of `rows` whose version the registry no longer has."""
     registry = importlib.import_module(f"altup_cupy.ops.{op}_versions")
     listed = {row["impl"] for row in rows}
     lines = ["| version | needs compute capability | what it changed | its own line in these results |",
@@ -179,8 +180,14 @@ def version_table(op: str, rows: Sequence[dict] = ()) -> str:
         lines.append(f"| v{number} | {capability // 10}.{capability % 10} | {version.note} | "
                      f"{f'`{name}`' if name in listed else 'no'} |")
     order = ", else ".join(f"v{number}" for number in registry.PREFERENCE)
-    return "\n".join(lines) + (f"\n\nThe default, `altup_cupy`, runs {order}: the first that serves the "
-                               "GPU and the shape (so the default's own version has no line of its own).")
+    table = "\n".join(lines) + (f"\n\nThe default, `altup_cupy`, runs {order}: the first that serves the "
+                                "GPU and the shape (so the default's own version has no line of its own).")
+    # A recorded run keeps the lines of a version measured before it left the registry.
+    dropped = sorted(name for name in listed if impl_version(name) not in (None, *registry.VERSIONS))
+    if dropped:
+        table += (f"\n\nIn these results but no longer in the registry: {', '.join(f'`{n}`' for n in dropped)} "
+                  "(measured before the version was dropped; git history keeps its code).")
+    return table
 
 
 def recorded_rows(op: str, suite: str = "benchmark") -> list[dict]:

@@ -1,7 +1,5 @@
 """The predict-correct backward's kernel versions and their launch plans (docs/SPEC.md section 2).
 
-v5 (Hopper): v4 whose last blocks to finish sum the weight-gradient partials (arrival tickets,
-    fixed order): one launch, no reduce kernel.
 v4 (Hopper): v3's arithmetic with each token's rows streamed into a ring of shared-memory stages
     by the bulk-copy engine (cp.async.bulk completing on an mbarrier), two tokens ahead of the
     compute, and the per-token scalar phase on a dedicated warp one token behind; one block per SM.
@@ -20,7 +18,6 @@ launches.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -38,9 +35,8 @@ MAX_HIDDEN = 8192
 V1_MAX_CHUNKS = 256  # token chunks of v1's weight-gradient reductions
 V4_MIN_STAGES = 3  # token j in pass 1, token j - 1 in pass 2, and one arriving
 MAIN_ARGS = ("ptr",) * 10 + ("i32", "i64", "f32")  # g hs act P Q R w grad_hs grad_act partials H M eps
-# Every fused version's per-block weight-gradient partials, and v5's arrival counters.
+# Every fused version's per-block weight-gradient partials.
 _PARTIALS = StreamScratch()
-_TICKETS = StreamScratch(zeroed=True)
 
 
 def _grid(kernel, threads: int, shared: int, cap: int, tokens: int, device: int,
@@ -255,64 +251,11 @@ def v4_plan(streams: int, active: int, tokens: int, hidden: int, device: int,
     count; a count that does not fit raises ValueError), or None: the most that fit one block."""
     with torch.cuda.device(device):
         kernel = S.PREDICT_CORRECT_BACKWARD_V4.kernel(f"predict_correct_backward_v4<{streams}, {active}>")
-        stages, shared, threads, blocks = _ring_launch(kernel, streams, tokens, hidden, device, stages)
+        stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, stages)
+        shared = v4_shared_bytes(streams, hidden, stages)
+        threads = v4_threads(hidden)
+        blocks = _grid(kernel, threads, shared, 1, tokens, device, carveout_shared=True)
         return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden, (stages,), ("i32",))
-
-
-def _ring_launch(kernel, streams, tokens, hidden, device, stages) -> tuple[int, int, int, int]:
-    """(stages, dynamic shared bytes, threads, blocks) of a v4-style ring kernel (v4, v5); stages
-    None: the most that fit."""
-    stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, stages)
-    shared = v4_shared_bytes(streams, hidden, stages)
-    threads = v4_threads(hidden)
-    return stages, shared, threads, _grid(kernel, threads, shared, 1, tokens, device, carveout_shared=True)
-
-
-# ---- v5 -----------------------------------------------------------------------------------------
-
-V5_EXTRA_ARGS = ("i32", "ptr", "i32", "ptr", "ptr", "ptr", "ptr")  # stages tickets group R w P Q
-
-
-def v5_group_size(blocks: int) -> int:
-    """Blocks per first-level group of v5's in-kernel reduction: about sqrt(blocks), so the
-    group's last block and the last group each sum about sqrt(blocks) partial rows."""
-    return math.isqrt(blocks - 1) + 1  # ceil(sqrt(blocks))
-
-
-def v5_ticket_count(blocks: int) -> int:
-    """v5's arrival counters: one per group, then one over the groups."""
-    return ceil_div(blocks, v5_group_size(blocks)) + 1
-
-
-class V5Plan:
-    """v4's ring kernel that also sums the weight-gradient partials: one launch. The kernel's
-    arrival counters must be zero at launch and are reset by the kernel: they come from zeroed
-    scratch memory, per stream where it is reused, so launches on different streams never share
-    them (under CUDA-graph capture each call takes fresh counters, zeroed inside the graph)."""
-
-    def __init__(self, kernel, threads: int, shared: int, blocks: int, stages: int, streams: int,
-                 tokens: int, hidden: int):
-        self.main = PackedLaunch(kernel, threads, shared, MAIN_ARGS + V5_EXTRA_ARGS)
-        self.blocks, self.stages, self.group_size = blocks, stages, v5_group_size(blocks)
-        self.partial_floats = blocks * S.partial_stride(streams, hidden)
-        self.ticket_bytes = 4 * v5_ticket_count(blocks)
-        self.tokens, self.hidden = tokens, hidden
-
-    def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
-        # Both held until the launch is queued: a fresh buffer freed before it could come back as
-        # the other one.
-        tickets = _TICKETS.get(self.ticket_bytes, device, stream, reuse_scratch)
-        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch)
-        _, _, grad_P, grad_Q, grad_R, grad_w = outs
-        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials.data_ptr(),
-                  self.hidden, self.tokens, eps, self.stages, tickets.data_ptr(), self.group_size,
-                  grad_R.data_ptr(), grad_w.data_ptr(), grad_P.data_ptr(), grad_Q.data_ptr())
-
-
-def _v5_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -> V5Plan:
-    kernel = S.PREDICT_CORRECT_BACKWARD_V5.kernel(f"predict_correct_backward_v5<{streams}, {active}>")
-    stages, shared, threads, blocks = _ring_launch(kernel, streams, tokens, hidden, device, None)
-    return V5Plan(kernel, threads, shared, blocks, stages, streams, tokens, hidden)
 
 
 def _cached(build):
@@ -337,8 +280,6 @@ VERSIONS = {
     4: Version(4, "rows streamed into a shared-memory ring by the bulk-copy engine; scalar warp",
                (S.PREDICT_CORRECT_BACKWARD_V4, S.PREDICT_CORRECT_BACKWARD_REDUCE),
                v4_supported, v4_plan),
-    5: Version(5, "v4 with the weight gradients' cross-block sum in the kernel (arrival tickets): one launch",
-               (S.PREDICT_CORRECT_BACKWARD_V5,), v4_supported, _cached(_v5_plan)),
 }
 # The default: the first of these that runs on the device and shape (v4 needs Hopper).
 PREFERENCE = (4, 3)
