@@ -91,7 +91,7 @@ COLLAPSE_V1 = KernelSource(
     defines=_COLLAPSE,
 )
 
-# collapse v2-v4 (Hopper GEMM, collapse_gemm_sm90.cuh): a CTA computes a BLOCK_M x BLOCK_N tile of
+# collapse v2 and v3 (Hopper GEMM, collapse_gemm_sm90.cuh): a CTA computes a BLOCK_M x BLOCK_N tile of
 # y_k, BLOCK_K of the reduction per ring stage (64 bf16 = one 128-byte swizzle row), STAGES stages
 # deep; CONSUMERS warpgroups of 64 rows each plus one producer warpgroup; up to MAX_PROJECTIONS =
 # N-1 streams.
@@ -103,7 +103,7 @@ COLLAPSE_V3_EPILOGUE_MAX_THREADS = 512
 
 def collapse_gemm(mode: int) -> str:
     """The GEMM's instantiation of one epilogue mode: 0 stores y_k (v2), 1 also its row statistics
-    (v3), 2 also normalises each finished row block (v4)."""
+    (v3)."""
     return f"collapse_gemm_sm90<{mode}>"
 
 
@@ -115,8 +115,6 @@ COLLAPSE_V3 = KernelSource(
     "collapse_v3.cu", (collapse_gemm(1), *(f"collapse_epilogue_v3<{n}>" for n in SUPPORTED_STREAMS)), min_arch=90,
     defines={**COLLAPSE_GEMM_TILE, "COLLAPSE_V3_EPILOGUE_MAX_THREADS": COLLAPSE_V3_EPILOGUE_MAX_THREADS},
     needs_sm90a=True)
-COLLAPSE_V4 = KernelSource("collapse_v4.cu", (collapse_gemm(2),), min_arch=90, defines=COLLAPSE_GEMM_TILE,
-                           needs_sm90a=True)
 
 PREDICT_CORRECT_BACKWARD_REDUCE = KernelSource(
     "predict_correct_backward_reduce.cu",
@@ -191,7 +189,6 @@ ALL_SOURCES = (
     COLLAPSE_V1,
     COLLAPSE_V2,
     COLLAPSE_V3,
-    COLLAPSE_V4,
     PREDICT_CORRECT_BACKWARD_REDUCE,
     PREDICT_CORRECT_BACKWARD_V1,
     PREDICT_CORRECT_BACKWARD_V2,

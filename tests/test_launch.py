@@ -76,7 +76,7 @@ def test_the_collapse_gemm_parameters_reach_the_kernel_as_declared(driver_calls)
     sizes.append(collapse_hopper.PARAMS_BYTES)
     launch = PackedLaunch(_kernel(2), collapse_hopper.THREADS, collapse_hopper.SHARED_BYTES,
                           (collapse_hopper.PARAMS,))
-    fields = (b"x" * 256, b"w" * 256, 1, 2, 613, 2056, 2, 5, 9, 33, 1, 33, 90, 3, 4, 5, 1e-5)
+    fields = (b"x" * 256, b"w" * 256, 1, 2, 613, 2056, 2, 5, 9, 33, 1, 33, 90)
     launch(0, 132, *fields)
     (params,) = calls[0][5]
     assert params == struct.pack("=" + collapse_hopper.PARAMS.layout, *fields)

@@ -1,5 +1,5 @@
 // collapse_gemm_sm90.cuh: the collapse's projections y_k = x_k @ W_k^T on Hopper (sm_90a), all N-1
-// streams in one persistent launch: the GEMM of collapse v2, v3 and v4, which differ in its epilogue
+// streams in one persistent launch: the GEMM of collapse v2 and v3, which differ in its epilogue
 // mode (the template argument); each version's .cu instantiates its own. Host side:
 // ops/collapse_hopper.py.
 //
@@ -21,15 +21,11 @@
 //   kStoreY (v2):      store y_k (fp32), or the K split's partial of it.
 //   kStoreYStats (v3): also each row's sum of squares over the tile's columns, from the fp32
 //                      accumulators (4 lanes per row combined in a fixed order), no K split.
-//   kFused (v4):       as v3, with units ordered row tile first, so the N-1 x column-tile units
-//                      of a row block run in the same wave; after each unit, finish_unit
-//                      (collapse_v4.cu) counts it and normalises the row block it completes.
 #pragma once
 #include "common.cuh"
 
 constexpr int kStoreY = 0;
 constexpr int kStoreYStats = 1;
-constexpr int kFused = 2;
 
 constexpr int kBlockM = ALTUP_COLLAPSE_V2_BLOCK_M;
 constexpr int kBlockN = ALTUP_COLLAPSE_V2_BLOCK_N;
@@ -42,7 +38,7 @@ constexpr int kTileABytes = kBlockM * kBlockK * 2;
 constexpr int kTileBBytes = kBlockN * kBlockK * 2;
 constexpr int kStageBytes = kTileABytes + kTileBBytes;
 constexpr int kSwizzleAlign = ALTUP_COLLAPSE_V2_SWIZZLE_ALIGN;  // the 128-byte swizzle repeats every 8 rows of 128 bytes
-constexpr int kBarrierBytes = 2 * kStages * 8 + 16;  // full + empty barriers, kFused's flag
+constexpr int kBarrierBytes = 2 * kStages * 8;  // full + empty barriers
 constexpr int kSharedBytes = kSwizzleAlign + kStages * kStageBytes + kBarrierBytes;
 static_assert(kSharedBytes <= 227 * 1024, "more dynamic shared memory than an sm_90 block may have");
 constexpr int kMaxProjections = ALTUP_COLLAPSE_V2_MAX_PROJECTIONS;  // N <= 4
@@ -73,14 +69,10 @@ struct CollapseGemmParams {
     int splits;
     int k_blocks_per_split;
     int units;                          // (N - 1) * row_tiles * col_tiles * splits
-    const uint4* stream0;               // kFused: hidden_states[0], [M, H] bf16
-    uint4* out_bf16;                    // kFused: the collapse's output, [M, H] bf16
-    unsigned int* row_counters;         // kFused: [row_tiles], zero between launches
-    float eps;                          // kFused
 };
 // The host packs this struct byte for byte (collapse_hopper.PARAM_FIELDS: natural C layout,
 // checked against the declaration by tests/test_collapse_hopper.py).
-static_assert(sizeof(CollapseGemmParams) == 896, "host layout");
+static_assert(sizeof(CollapseGemmParams) == 832, "host layout");
 
 __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
@@ -196,34 +188,26 @@ struct WorkUnit {
     int k_end;
 };
 
-// Unit order for kStoreY / kStoreYStats: projection, row tile, column tile, split (innermost):
-// CTAs running at the same time share one row tile of x_k and walk the columns of W_k, which
-// stays in L2. kFused: row tile, projection, column tile, so a row block completes in one wave.
-template <int MODE>
+// Unit order: projection, row tile, column tile, split (innermost): CTAs running at the same time
+// share one row tile of x_k and walk the columns of W_k, which stays in L2.
 __device__ __forceinline__ WorkUnit decode_unit(const CollapseGemmParams& p, int unit) {
     WorkUnit w;
     w.split = unit % p.splits;
     int rest = unit / p.splits;
     w.col_tile = rest % p.col_tiles;
     rest /= p.col_tiles;
-    if constexpr (MODE == kFused) {
-        w.projection = rest % p.projections;
-        w.row_tile = rest / p.projections;
-    } else {
-        w.row_tile = rest % p.row_tiles;
-        w.projection = rest / p.row_tiles;
-    }
+    w.row_tile = rest % p.row_tiles;
+    w.projection = rest / p.row_tiles;
     w.k_begin = w.split * p.k_blocks_per_split;
     w.k_end = min(p.k_blocks, w.k_begin + p.k_blocks_per_split);
     return w;
 }
 
-template <int MODE>
 __device__ __forceinline__ void produce(const CollapseGemmParams& p, unsigned int tiles, unsigned int bars) {
     int stage = 0;
     unsigned int phase = 0;
     for (int unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
-        const WorkUnit w = decode_unit<MODE>(p, unit);
+        const WorkUnit w = decode_unit(p, unit);
         for (int kb = w.k_begin; kb < w.k_end; ++kb) {
             const unsigned int full = bars + 8 * stage, empty = bars + 8 * (kStages + stage);
             barrier_wait(empty, phase ^ 1);  // a fresh barrier counts as released once
@@ -258,7 +242,7 @@ __device__ __forceinline__ void store_tile(const CollapseGemmParams& p, const Wo
             if (row + 8 < p.rows)
                 *reinterpret_cast<float2*>(out + (row + 8) * hidden + col) = make_float2(d[4 * j + 2], d[4 * j + 3]);
         }
-        if constexpr (MODE == kStoreYStats || MODE == kFused) {
+        if constexpr (MODE == kStoreYStats) {
             // Columns past H hold exact zeros (zero-filled W rows): no guard needed.
             sumsq_lo = fmaf(d[4 * j], d[4 * j], sumsq_lo);
             sumsq_lo = fmaf(d[4 * j + 1], d[4 * j + 1], sumsq_lo);
@@ -266,7 +250,7 @@ __device__ __forceinline__ void store_tile(const CollapseGemmParams& p, const Wo
             sumsq_hi = fmaf(d[4 * j + 3], d[4 * j + 3], sumsq_hi);
         }
     }
-    if constexpr (MODE == kStoreYStats || MODE == kFused) {
+    if constexpr (MODE == kStoreYStats) {
         // The 4 lanes of a row combine in a fixed butterfly order: deterministic.
 #pragma unroll
         for (int offset = 1; offset < 4; offset <<= 1) {
@@ -281,12 +265,6 @@ __device__ __forceinline__ void store_tile(const CollapseGemmParams& p, const Wo
     }
 }
 
-// kFused, after a unit's tile is stored: count the unit in its row block; the CTA that counts the
-// last one normalises the row block. Defined by collapse_v4.cu; a template, so that only the mode
-// that calls it (kFused) needs the definition.
-template <int MODE>
-__device__ __forceinline__ void finish_unit(const CollapseGemmParams& p, const WorkUnit& w, unsigned int flag);
-
 // Consumer `c` (0 or 1) computes rows [64c, 64c + 64) of each unit's tile.
 template <int MODE>
 __device__ __forceinline__ void consume(const CollapseGemmParams& p, unsigned int tiles, unsigned int bars, int c) {
@@ -295,7 +273,7 @@ __device__ __forceinline__ void consume(const CollapseGemmParams& p, unsigned in
     unsigned int phase = 0;
     float d[128];
     for (int unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
-        const WorkUnit w = decode_unit<MODE>(p, unit);
+        const WorkUnit w = decode_unit(p, unit);
         const long long first_row = static_cast<long long>(w.row_tile) * kBlockM + 64 * c;
 #pragma unroll
         for (int i = 0; i < 128; ++i) d[i] = 0.0f;
@@ -321,14 +299,13 @@ __device__ __forceinline__ void consume(const CollapseGemmParams& p, unsigned in
         __syncwarp();
         if (previous >= 0 && lane == 0) barrier_arrive(bars + 8 * (kStages + previous));
         if (first_row < p.rows) store_tile<MODE>(p, w, first_row, d);  // else: all rows past M
-        if constexpr (MODE == kFused) finish_unit<MODE>(p, w, bars + 16 * kStages);
     }
 }
 
-// y_k = x_k @ W_k^T for every projection, with the epilogue MODE (kStoreY, kStoreYStats, kFused).
+// y_k = x_k @ W_k^T for every projection, with the epilogue MODE (kStoreY, kStoreYStats).
 template <int MODE>
 __global__ void __launch_bounds__(kThreads, 1) collapse_gemm_sm90(const __grid_constant__ CollapseGemmParams p) {
-    static_assert(MODE == kStoreY || MODE == kStoreYStats || MODE == kFused, "unknown epilogue mode");
+    static_assert(MODE == kStoreY || MODE == kStoreYStats, "unknown epilogue mode");
     extern __shared__ unsigned char shared_raw[];
     const unsigned int raw = shared_address(shared_raw);
     const unsigned int tiles = (raw + kSwizzleAlign - 1) & ~static_cast<unsigned int>(kSwizzleAlign - 1);
@@ -344,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) collapse_gemm_sm90(const __grid_c
     const int warpgroup = threadIdx.x / kWarpgroupThreads;
     if (warpgroup == 0) {
         set_max_registers_producer();
-        if (threadIdx.x == 0) produce<MODE>(p, tiles, bars);
+        if (threadIdx.x == 0) produce(p, tiles, bars);
     } else {
         set_max_registers_consumer();
         consume<MODE>(p, tiles, bars, warpgroup - 1);

@@ -167,18 +167,20 @@ def ncu_excerpt(launch: dict, keys: Sequence[str]) -> str:
 
 def version_table(op: str, rows: Sequence[dict] = ()) -> str:
     """Markdown: `op`'s kernel versions as its registry (`altup_cupy.ops.<op>_versions`) lists them,
-    with the compute capability each needs, what it changed, whether `rows` hold it as its own
+    with the compute capability each needs, what it changed, why it stays registered where the
+    default beats it everywhere (`Version.kept_because`), whether `rows` hold it as its own
     `altup_cupy_v<n>` line, the order in which the default `altup_cupy` picks among them, and the
     `altup_cupy_v<n>` lines of `rows` whose version the registry no longer has."""
     registry = importlib.import_module(f"altup_cupy.ops.{op}_versions")
     listed = {row["impl"] for row in rows}
-    lines = ["| version | needs compute capability | what it changed | its own line in these results |",
-             "|---|---:|---|---|"]
+    lines = ["| version | needs compute capability | what it changed | kept, though slower than the default, "
+             "because | its own line in these results |",
+             "|---|---:|---|---|---|"]
     for number, version in sorted(registry.VERSIONS.items()):
         capability = version.min_compute_capability
         name = f"altup_cupy_v{number}"
         lines.append(f"| v{number} | {capability // 10}.{capability % 10} | {version.note} | "
-                     f"{f'`{name}`' if name in listed else 'no'} |")
+                     f"{version.kept_because or '—'} | {f'`{name}`' if name in listed else 'no'} |")
     order = ", else ".join(f"v{number}" for number in registry.PREFERENCE)
     table = "\n".join(lines) + (f"\n\nThe default, `altup_cupy`, runs {order}: the first that serves the "
                                 "GPU and the shape (so the default's own version has no line of its own).")

@@ -25,6 +25,10 @@ class Version:
     sources: Sequence[Any]  # the KernelSources it launches
     supports: Callable[..., bool]  # (streams, hidden) -> whether its kernels serve this shape
     plan: Callable[..., Any]  # builds the launch plan of one shape (on a GPU)
+    # Why it stays registered although the default beats it on every recorded workload (a teaching
+    # step, a portable fallback); empty for a version that wins somewhere. tests/test_registry.py
+    # checks the recorded benchmark against it.
+    kept_because: str = ""
 
     @property
     def min_compute_capability(self) -> int:

@@ -1,6 +1,6 @@
 """The collapse's magnitude epilogue (`collapse_epilogue_v1`, kernels/collapse_v1.cu): stream 0 and
 the N-1 fp32 projections in, the bf16 result out. v1 launches it after cuBLAS's projections, v2
-(and v3, v4 where they split K) after the package's own GEMM.
+(and v3 where it splits K) after the package's own GEMM.
 """
 
 from __future__ import annotations

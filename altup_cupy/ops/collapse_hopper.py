@@ -10,10 +10,6 @@ v3: `collapse_gemm_sm90<1>` (collapse_v3.cu) also writes each row's sum of squar
 tile from its fp32 accumulators (fixed order, no atomics), so `collapse_epilogue_v3` needs no
 reduction over y_k and reads it once, streamed. It applies when K is not split (M large enough to
 fill the GPU with output tiles); otherwise v3 runs v2's kernels.
-v4: `collapse_gemm_sm90<2>` (collapse_v4.cu) orders the units row block first and counts each row
-block's finished units; the CTA that finishes the last one applies the normalisation to those 128
-rows while their y_k are still in L2 and writes the bf16 output (one launch, no epilogue pass over
-HBM). Same K-split rule as v3.
 
 The GEMM's one parameter is a struct passed by value (`CollapseGemmParams`, holding the TMA tensor
 maps), packed by `_launch.PackedLaunch` like any other argument list. A `HopperPlan` is built once
@@ -41,8 +37,8 @@ _TILE = _sources.COLLAPSE_GEMM_TILE
 BLOCK_M, BLOCK_N, BLOCK_K = _TILE["COLLAPSE_V2_BLOCK_M"], _TILE["COLLAPSE_V2_BLOCK_N"], _TILE["COLLAPSE_V2_BLOCK_K"]
 STAGES = _TILE["COLLAPSE_V2_STAGES"]
 THREADS = 128 * (1 + _TILE["COLLAPSE_V2_CONSUMERS"])  # a producer warpgroup and the consumers
-# The ring (aligned for the swizzle), its full and empty barriers, and v4's flag (kSharedBytes).
-SHARED_BYTES = _TILE["COLLAPSE_V2_SWIZZLE_ALIGN"] + STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * STAGES * 8 + 16
+# The ring (aligned for the swizzle) and its full and empty barriers (kSharedBytes).
+SHARED_BYTES = _TILE["COLLAPSE_V2_SWIZZLE_ALIGN"] + STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * STAGES * 8
 MAX_PROJECTIONS = _TILE["COLLAPSE_V2_MAX_PROJECTIONS"]
 TENSOR_MAP_BYTES = 128
 # CollapseGemmParams (collapse_gemm_sm90.cuh) field by field in declaration order, as `struct`
@@ -52,7 +48,7 @@ PARAM_FIELDS = (
     ("x_maps", f"{MAX_PROJECTIONS * TENSOR_MAP_BYTES}s"), ("w_maps", f"{MAX_PROJECTIONS * TENSOR_MAP_BYTES}s"),
     ("out", "Q"), ("row_sumsq", "Q"), ("rows", "q"), ("hidden", "i"), ("projections", "i"),
     ("row_tiles", "i"), ("col_tiles", "i"), ("k_blocks", "i"), ("splits", "i"), ("k_blocks_per_split", "i"),
-    ("units", "i"), ("stream0", "Q"), ("out_bf16", "Q"), ("row_counters", "Q"), ("eps", "f"),
+    ("units", "i"),
 )
 _FIELDS_BYTES = struct.calcsize("=" + "".join(code for _, code in PARAM_FIELDS))
 PARAMS_BYTES = round_up(_FIELDS_BYTES, 64)
@@ -63,7 +59,7 @@ MIN_K_BLOCKS_PER_SPLIT = 4
 SPLIT_SUM_THREADS = 256
 SPLIT_SUM_ARGS = ("ptr", "ptr", "i32", "i64")  # partials, y, splits, float4 count
 EPILOGUE_V3_ARGS = ("ptr",) * 4 + ("i32", "i64", "i32", "f32")  # stream 0, y, row_sumsq, out, H, rows, tiles, eps
-SOURCES = (_sources.COLLAPSE_V2, _sources.COLLAPSE_V3, _sources.COLLAPSE_V4)  # by GEMM mode
+SOURCES = (_sources.COLLAPSE_V2, _sources.COLLAPSE_V3)  # by GEMM mode
 
 
 @dataclass(frozen=True)
@@ -111,8 +107,8 @@ def plan_gemm(rows: int, hidden: int, projections: int, sms: int, split_k: bool 
 
 
 def uses_row_statistics(rows: int, hidden: int, streams: int, device: int) -> bool:
-    """Whether collapse v3/v4 take their own path: only when v2 would not split K (for small M,
-    splitting K to fill the GPU is worth more than the statistics); otherwise they are v2."""
+    """Whether collapse v3 takes its own path: only when v2 would not split K (for small M,
+    splitting K to fill the GPU is worth more than the statistics); otherwise it is v2."""
     return plan_gemm(rows, hidden, streams - 1, _device.sm_count(device)).splits == 1
 
 
@@ -163,23 +159,20 @@ class TensorMapEncoder:
         return ctypes.string_at(tensor_map.getPtr(), TENSOR_MAP_BYTES)
 
 
-# The K splits' fp32 partials, and v4's per-row-block unit counters (zeroed; the kernel leaves
-# every counter at zero when it finishes).
+# The K splits' fp32 partials.
 _SPLIT_PARTIALS = StreamScratch()
-_ROW_COUNTERS = StreamScratch(zeroed=True)
-_NO_FUSED_EPILOGUE = (0, 0, 0, 0.0)  # CollapseGemmParams' stream0, out_bf16, row_counters, eps
 
 
 class HopperPlan:
-    """One shape's collapse v2, v3 or v4 on one device, called as every collapse plan is:
+    """One shape's collapse v2 or v3 on one device, called as every collapse plan is:
     (hidden_states, weights, out, eps, stream, reuse_scratch) with inputs the op has validated;
     weights is [the stacked N-1 x H x H tensor] or the N-1 H x H matrices."""
 
     def __init__(self, version: int, streams: int, rows: int, hidden: int, stacked: bool, device: int):
         sms = _device.sm_count(device)
         projections = streams - 1
-        # The GEMM's epilogue mode: 0 (v2, and v3, v4 where K is split), 1 (v3), 2 (v4).
-        self.mode = version - 2 if version > 2 and uses_row_statistics(rows, hidden, streams, device) else 0
+        # The GEMM's epilogue mode: 0 (v2, and v3 where K is split), 1 (v3).
+        self.mode = 1 if version == 3 and uses_row_statistics(rows, hidden, streams, device) else 0
         self.tiles = t = plan_gemm(rows, hidden, projections, sms, split_k=self.mode == 0)
         gemm = SOURCES[self.mode].kernel(_sources.collapse_gemm(self.mode))
         if gemm.max_dynamic_shared_size_bytes < SHARED_BYTES:
@@ -195,7 +188,7 @@ class HopperPlan:
             self.split_sum_grid = min(ceil_div(self.y_floats // 4, SPLIT_SUM_THREADS), 8 * sms)
         if self.mode == 0:
             self.epilogue = epilogue_v1(streams, hidden)
-        elif self.mode == 1:
+        else:
             threads = min(_sources.COLLAPSE_V3_EPILOGUE_MAX_THREADS, max(32, round_up(hidden // 8, 32)))
             self.epilogue = PackedLaunch(_sources.COLLAPSE_V3.kernel(f"collapse_epilogue_v3<{streams}>"), threads, 0,
                                          EPILOGUE_V3_ARGS)
@@ -227,21 +220,19 @@ class HopperPlan:
         return x_maps, w_maps
 
     def project(self, hidden_states: torch.Tensor, weights: Sequence[torch.Tensor], y: torch.Tensor,
-                row_sumsq: torch.Tensor | None, stream: int, reuse_scratch: bool,
-                fused: tuple = _NO_FUSED_EPILOGUE) -> None:
-        """The GEMM: y (fp32 [N-1, M, H]) and, in modes 1 and 2, row_sumsq (fp32 [N-1, M, column
-        tiles]), with the K splits summed. fused (mode 2): the addresses of stream 0, the output and
-        the row counters, and eps."""
+                row_sumsq: torch.Tensor | None, stream: int, reuse_scratch: bool) -> None:
+        """The GEMM: y (fp32 [N-1, M, H]) and, in mode 1, row_sumsq (fp32 [N-1, M, column
+        tiles]), with the K splits summed."""
         x_maps, w_maps = self._maps(hidden_states, weights)
         y_ptr = y.data_ptr()
         sumsq_ptr = 0 if row_sumsq is None else row_sumsq.data_ptr()
         t = self.tiles
         if t.splits == 1:
-            self.gemm(stream, t.grid, x_maps, w_maps, y_ptr, sumsq_ptr, *self.tile_fields, *fused)
+            self.gemm(stream, t.grid, x_maps, w_maps, y_ptr, sumsq_ptr, *self.tile_fields)
             return
         # Held until both launches are queued: freed earlier, it could be handed out again.
         partials = _SPLIT_PARTIALS.get(4 * t.splits * self.y_floats, hidden_states.device, stream, reuse_scratch)
-        self.gemm(stream, t.grid, x_maps, w_maps, partials.data_ptr(), sumsq_ptr, *self.tile_fields, *fused)
+        self.gemm(stream, t.grid, x_maps, w_maps, partials.data_ptr(), sumsq_ptr, *self.tile_fields)
         self.split_sum(stream, self.split_sum_grid, partials.data_ptr(), y_ptr, t.splits, self.y_floats // 4)
 
     def __call__(self, hidden_states: torch.Tensor, weights: Sequence[torch.Tensor], out: torch.Tensor,
@@ -254,19 +245,13 @@ class HopperPlan:
             self.epilogue(stream, rows, hs, y.data_ptr(), out_ptr, self.hidden, rows, eps)
             return
         row_sumsq = torch.empty(self.sumsq_floats, dtype=torch.float32, device=device)
-        if self.mode == 1:
-            self.project(hidden_states, weights, y, row_sumsq, stream, reuse_scratch)
-            self.epilogue(stream, rows, hs, y.data_ptr(), row_sumsq.data_ptr(), out_ptr, self.hidden, rows,
-                          self.tiles.col_tiles, eps)
-            return
-        # Held until the launch is queued, like the split partials.
-        counters = _ROW_COUNTERS.get(4 * self.tiles.row_tiles, device, stream, reuse_scratch)
-        self.project(hidden_states, weights, y, row_sumsq, stream, reuse_scratch,
-                     (hs, out_ptr, counters.data_ptr(), eps))
+        self.project(hidden_states, weights, y, row_sumsq, stream, reuse_scratch)
+        self.epilogue(stream, rows, hs, y.data_ptr(), row_sumsq.data_ptr(), out_ptr, self.hidden, rows,
+                      self.tiles.col_tiles, eps)
 
 
 @functools.lru_cache(maxsize=256)
 def plan(version: int, streams: int, rows: int, hidden: int, stacked: bool, device: int) -> HopperPlan:
-    """The plan of collapse `version` (2, 3 or 4) for one shape, built once."""
+    """The plan of collapse `version` (2 or 3) for one shape, built once."""
     with torch.cuda.device(device):
         return HopperPlan(version, streams, rows, hidden, stacked, device)

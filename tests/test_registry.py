@@ -1,0 +1,47 @@
+"""The version registries against the recorded benchmark (issue 21): a registered version that the
+default beats on every recorded workload must say why it stays (`Version.kept_because`: a teaching
+step, a portable fallback); one that wins nowhere and has no reason belongs in git history and its
+notebook's story, not in the registry. CPU only: it reads the committed CSVs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from altup_cupy.lab.bench import csv_path, read_csv
+from altup_cupy.lab.figures import parse_rows
+from altup_cupy.lab.paths import RECORDED_RESULTS_DIR
+
+OPS = ("collapse", "predict_correct_backward")
+
+
+def _registered() -> list:
+    return [pytest.param(op, number, id=f"{op}-v{number}") for op in OPS
+            for number in sorted(importlib.import_module(f"altup_cupy.ops.{op}_versions").VERSIONS)]
+
+
+def _medians(op: str) -> dict[str, dict[tuple, float]]:
+    """{impl: {workload: median µs}} of the op's recorded benchmark suite; skips if it is absent."""
+    path = csv_path(op, "benchmark", RECORDED_RESULTS_DIR)
+    if not path.is_file():
+        pytest.skip(f"no recorded benchmark for {op} ({path} is absent)")
+    medians: dict[str, dict[tuple, float]] = {}
+    for row in parse_rows(read_csv(path)):
+        medians.setdefault(row["impl"], {})[row["workload"]] = row["median_us"]
+    return medians
+
+
+@pytest.mark.parametrize("op,number", _registered())
+def test_version_slower_than_the_default_everywhere_says_why_it_stays(op, number):
+    version = importlib.import_module(f"altup_cupy.ops.{op}_versions").VERSIONS[number]
+    medians = _medians(op)
+    default, own = medians["altup_cupy"], medians.get(f"altup_cupy_v{number}", {})
+    # Where the default runs this version it has no line of its own: there it is the default.
+    shared = [w for w in own if w in default]
+    if not shared:
+        pytest.skip(f"{op} v{number} has no recorded line of its own next to the default")
+    if all(own[w] > default[w] for w in shared):
+        assert version.kept_because, (
+            f"{op} v{number} is slower than the default on all {len(shared)} recorded workloads: "
+            "state why it stays (Version.kept_because) or drop it")
