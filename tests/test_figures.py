@@ -361,6 +361,47 @@ def test_markdown_tables_and_readme_markers(synthetic, tmp_path):
         report.update_readme(readme, synthetic)
 
 
+# The backward with an earlier version the registry keeps (v1) and one it no longer has (v99).
+SYNTH_BACKWARD_VERSIONS = [
+    (1, 256, {"altup_cupy": (10.0, True), "altup_cupy_v1": (30.0, True), "altup_cupy_v99": (20.0, False),
+              "copy_floor": (6.0, "")}),
+    (8, 512, {"altup_cupy": (60.0, True), "altup_cupy_v1": (90.0, True), "altup_cupy_v99": (80.0, True),
+              "copy_floor": (50.0, "")}),
+]
+
+
+def test_headline_means_multiples_of_the_floor_and_dropped_versions(tmp_path):
+    write_synthetic(tmp_path, backward=SYNTH_BACKWARD_VERSIONS)
+    rows = figures.parse_rows(read_csv(csv_path("predict_correct_backward", "benchmark", tmp_path)))
+    data = report.headline_data("predict_correct_backward", rows)
+    assert data["floor"] == "copy_floor" and data["rate_unit"] == "TB/s"  # memory-bound on every workload
+    by = {line["impl"]: line for line in data["rows"]}
+    assert list(by) == ["altup_cupy_v1", "altup_cupy_v99", "altup_cupy", "copy_floor"]
+    floor_us = (6.0 + 50.0) / 2
+    for impl, mean_us in {"altup_cupy_v1": 60.0, "altup_cupy_v99": 50.0, "altup_cupy": 35.0}.items():
+        assert by[impl]["mean_us"] == pytest.approx(mean_us)
+        assert by[impl]["x_floor"] == pytest.approx(mean_us / floor_us)
+    assert by["copy_floor"]["x_floor"] == pytest.approx(1.0)
+    assert [line["dropped"] for line in data["rows"]] == [False, True, False, False]
+    assert (by["altup_cupy_v99"]["passed"], by["altup_cupy_v99"]["checked"]) == (1, 2)
+    workloads = [_synthetic_workload("predict_correct_backward", 3, 2304, b, s) for b, s, _ in SYNTH_BACKWARD_VERSIONS]
+    tbps = [backward_bench.compulsory_bytes(w) / us / 1e6 for w, us in zip(workloads, (10.0, 60.0))]
+    assert by["altup_cupy"]["rate"] == pytest.approx(statistics.fmean(tbps), rel=1e-3)
+
+    top = report.headline("predict_correct_backward", tmp_path)
+    assert (top["impl"], top["mean_us"], top["x_floor"]) == ("altup_cupy", 35.0, pytest.approx(1.25))
+    table = report.headline_table("predict_correct_backward", tmp_path)
+    assert table.startswith("### Headline: predict-correct backward: `altup_cupy` 35.0 µs mean over 2 workloads, "
+                            "1.25× its floor (`copy_floor`)\n")
+    assert "git 0123456789ab" in table and "mean TB/s" in table
+    assert "| `altup_cupy_v99` (dropped from the registry) | 50.0 | 1.79× |" in table
+    assert "| `altup_cupy_v1` | 60.0 | 2.14× |" in table and "| `copy_floor` (floor) | 28.0 | 1.00× |" in table
+    collapse = report.headline_table("collapse", tmp_path)
+    assert "mean TFLOP/s" in collapse and "dropped" not in collapse
+    # the README's generated section quotes the same table
+    assert table in report.readme_section(tmp_path, tmp_path / "figures")
+
+
 def _with_versions(synthetic) -> list[dict]:
     """The synthetic backward rows plus an earlier version of ours at twice the default's time."""
     rows = figures.parse_rows(

@@ -141,3 +141,16 @@ def test_op_registration_probe_times_both_registrations_on_cpu():
             ("altup_cupy.torch.predict", 0), ("altup_cupy.torch.correct", 0),
             ("altup_cupy.torch.predict", 1), ("altup_cupy.torch.correct", 1)]
         assert all(r["us_per_call"] > 0 for r in rows)
+
+
+def test_speedup_table_counts_the_last_row_of_each_case(tmp_path):
+    path = tmp_path / "gemma3n_model.csv"
+    case = dict(config="mini", task="train", batch=8, seq=1024, gpu_ms="1.0", peak_mib="1.0", date="2026-12-04")
+    for mode, patched, wall_ms, sha in (("eager", 0, "90.0", "aaa"), ("eager", 1, "60.0", "aaa"),
+                                        ("eager", 1, "45.0", "bbb"), ("compile", 0, "30.0", "bbb")):
+        bench.append_row(path, {**case, "mode": mode, "patched": patched, "wall_ms": wall_ms, "git_sha": sha})
+    cases, commits = bench.recorded_cases(path)
+    assert commits == ["aaa", "bbb"] and cases[("mini", "train", "8", "1024", "eager", "1")]["wall_ms"] == "45.0"
+    table = bench.speedup_table(path)
+    assert "commits aaa, bbb (the last row of each case counts)" in table
+    assert table.endswith("| mini | train | 8 x 1024 | 45.0 / 90.0 (2.00×) | — / 30.0 |")

@@ -374,6 +374,41 @@ def done_keys(path: Path, git_sha: str) -> set[tuple]:
                 for r in csv.DictReader(f) if r.get("git_sha") == git_sha}
 
 
+def recorded_cases(path: Path) -> tuple[dict[tuple, dict], list[str]]:
+    """The rows of a gemma3n_model.csv by case, {(config, task, batch, seq, mode, patched): row}, the
+    last row of each case counting (a later run of a case supersedes an earlier one), and the commits
+    the file's rows come from, in file order."""
+    with Path(path).open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    cases = {(r["config"], r["task"], r["batch"], r["seq"], r["mode"], r["patched"]): r for r in rows}
+    return cases, list(dict.fromkeys(r["git_sha"] for r in rows))
+
+
+def shapes_in_order(cases: dict[tuple, dict]) -> list[tuple]:
+    """The (config, task, batch, seq) of `cases`, by config and task, the most tokens first."""
+    return sorted({k[:4] for k in cases}, key=lambda k: (k[0], k[1], -int(k[2]) * int(k[3])))
+
+
+def speedup_table(path: Path) -> str:
+    """Markdown: per config, task and shape, the wall time of one step in each mode, patched /
+    transformers' own code (the patch's speed-up), from `recorded_cases`; a caption names the commits."""
+    cases, commits = recorded_cases(path)
+    modes = [m for m in MODES if any(k[4] == m for k in cases)]
+    out = ["| config | task | B x S | " + " | ".join(modes) + " |", "|---|---|---|" + "---:|" * len(modes)]
+    for config, task, batch, seq in shapes_in_order(cases):
+        cells = []
+        for mode in modes:
+            ours, theirs = (cases.get((config, task, batch, seq, mode, patched)) for patched in ("1", "0"))
+            times = " / ".join(f"{float(r['wall_ms']):.1f}" if r else "—" for r in (ours, theirs))
+            gain = f" ({float(theirs['wall_ms']) / float(ours['wall_ms']):.2f}×)" if ours and theirs else ""
+            cells.append(times + gain)
+        out.append(f"| {config} | {task} | {batch} x {seq} | " + " | ".join(cells) + " |")
+    caption = (f"`{Path(path).name}`, commits {', '.join(commits)} (the last row of each case counts): wall ms of "
+               "one step, patched / transformers' own code (speed-up of the patch); GPU time and peak memory in "
+               "the CSV.")
+    return caption + "\n\n" + "\n".join(out)
+
+
 def _release() -> None:
     """Return the last case's memory and compiled code before the next model is built."""
     torch._dynamo.reset()  # first: it drops the compiled graphs and CUDA graph pools holding memory

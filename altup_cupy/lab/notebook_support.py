@@ -23,8 +23,9 @@ from typing import Sequence
 
 from .._device import gpu_status
 from .bench import csv_path, read_csv, run_info
-from .figures import impl_version, parse_rows
+from .figures import parse_rows
 from .paths import PACKAGE_DIR, RECORDED_RESULTS_DIR, REPO_ROOT
+from .report import dropped_versions
 
 
 
@@ -184,8 +185,7 @@ def version_table(op: str, rows: Sequence[dict] = ()) -> str:
     order = ", else ".join(f"v{number}" for number in registry.PREFERENCE)
     table = "\n".join(lines) + (f"\n\nThe default, `altup_cupy`, runs {order}: the first that serves the "
                                 "GPU and the shape (so the default's own version has no line of its own).")
-    # A recorded run keeps the lines of a version measured before it left the registry.
-    dropped = sorted(name for name in listed if impl_version(name) not in (None, *registry.VERSIONS))
+    dropped = dropped_versions(op, listed)
     if dropped:
         table += (f"\n\nIn these results but no longer in the registry: {', '.join(f'`{n}`' for n in dropped)} "
                   "(measured before the version was dropped; git history keeps its code).")

@@ -16,10 +16,16 @@ For a memory-bound op, `bandwidth_table` gives every implementation's TB/s of co
 per workload against the measured copy rate, and `progression_table` each version of ours
 (`altup_cupy_vN` rows, then the default) at a small, a medium and a large M: µs, TB/s and % of
 the copy floor (the `copy_floor` rows: the same bytes through a device copy).
+
+`headline_table(op)` is the progression every notebook opens with: each version of ours over the
+whole suite (mean µs, multiple of the op's floor, % of SOL, TFLOP/s or TB/s, workloads passing);
+`headline(op)` its one number, the default's mean µs and multiple of the floor, which the README
+quotes through `readme_section`.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import statistics
@@ -29,7 +35,8 @@ from typing import Sequence
 from .bench import csv_path, read_csv
 from .ceilings import H200
 from .figures import (OP_FLOORS, OP_TITLES, OURS, bandwidth_points, geomean, impl_order, impl_role,
-                      our_versions, parse_rows, provenance, workloads_by_tokens)
+                      impl_version, memory_bound_ops, our_versions, parse_rows, provenance, roofline_points,
+                      workloads_by_tokens)
 from .paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from .workloads import OPS, SUITES
 
@@ -241,6 +248,86 @@ def progression_table(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
+def dropped_versions(op: str, impls: Sequence[str]) -> list[str]:
+    """The `altup_cupy_v<n>` names among `impls` whose version `op`'s registry
+    (`altup_cupy.ops.<op>_versions`) no longer has: a recorded run keeps the lines of a version
+    measured before it was dropped."""
+    registered = importlib.import_module(f"altup_cupy.ops.{op}_versions").VERSIONS
+    return sorted(name for name in set(impls) if impl_version(name) not in (None, *registered))
+
+
+def headline_data(op: str, rows: Sequence[dict]) -> dict:
+    """Per version of ours (`our_versions`: `altup_cupy_v<n>` by n, then the default), then the op's
+    floor, over every workload of `rows`: mean µs, that mean as a multiple of the floor's mean µs,
+    mean % of SOL, mean rate, workloads passing. The rate is TB/s of compulsory traffic for a
+    memory-bound op, else TFLOP/s (both exact from `bandwidth_points` / `roofline_points`, not the
+    CSV's rounded columns)."""
+    memory_bound = op in memory_bound_ops(rows)
+    points = bandwidth_points(rows) if memory_bound else roofline_points(rows)
+    rate = {(r["impl"], r["workload"]): value for r, _, value in points}
+    floor = OP_FLOORS[op]
+    dropped = set(dropped_versions(op, [r["impl"] for r in rows]))
+    floor_rows = [r for r in rows if r["impl"] == floor]
+    floor_us = statistics.fmean(r["median_us"] for r in floor_rows) if floor_rows else math.nan
+    lines = []
+    for impl in our_versions(rows) + ([floor] if floor_rows else []):
+        mine = [r for r in rows if r["impl"] == impl]
+        mean_us = statistics.fmean(r["median_us"] for r in mine)
+        rates = [rate[(impl, r["workload"])] for r in mine if (impl, r["workload"]) in rate]
+        lines.append({"impl": impl, "dropped": impl in dropped, "mean_us": mean_us, "x_floor": mean_us / floor_us,
+                      "pct_sol": statistics.fmean(r["pct_sol"] for r in mine),
+                      "rate": statistics.fmean(rates) if rates else math.nan,
+                      "passed": sum(r["passed"] is True for r in mine),
+                      "checked": sum(r["passed"] is not None for r in mine), "workloads": len(mine)})
+    return {"floor": floor, "rate_unit": "TB/s" if memory_bound else "TFLOP/s", "rows": lines,
+            "provenance": provenance(rows)}
+
+
+def _headline_rows(op: str, results_dir: Path | str) -> list[dict]:
+    path = csv_path(op, "benchmark", Path(results_dir))
+    if not path.is_file():
+        raise FileNotFoundError(f"no recorded benchmark suite for {op}: {path} does not exist")
+    return parse_rows(read_csv(path))
+
+
+def headline(op: str, results_dir: Path | str = RECORDED_RESULTS_DIR) -> dict:
+    """The op's one headline number, from its recorded benchmark suite: the default's row of
+    `headline_data` (mean µs, multiple of the floor, ...) with the floor's name."""
+    data = headline_data(op, _headline_rows(op, results_dir))
+    default = next(line for line in data["rows"] if line["impl"] == OURS)
+    return {**default, "floor": data["floor"]}
+
+
+def _sentence(op: str, data: dict) -> str:
+    """'collapse forward: `altup_cupy` 295.1 µs mean over 16 workloads, 1.18× its floor (...)'."""
+    top = next(line for line in data["rows"] if line["impl"] == OURS)
+    return (f"{OP_TITLES.get(op, op)}: `{OURS}` {_us(top['mean_us'])} µs mean over {top['workloads']} workloads, "
+            f"{top['x_floor']:.2f}× its floor (`{data['floor']}`)")
+
+
+def headline_table(op: str, results_dir: Path | str = RECORDED_RESULTS_DIR, heading_level: int = 3) -> str:
+    """Markdown: the headline sentence as a heading, a caption naming the run (GPU, date, commit),
+    and one row per version of ours and the floor (`headline_data`) over the benchmark suite;
+    versions the registry dropped are marked."""
+    data = headline_data(op, _headline_rows(op, results_dir))
+    unit = data["rate_unit"]
+    head = ["version", "mean µs", "× floor", "mean % of SOL", f"mean {unit}", "workloads passing"]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for line in data["rows"]:
+        name = f"`{line['impl']}`" + {OURS: " (default)", data["floor"]: " (floor)"}.get(line["impl"], "")
+        if line["dropped"]:
+            name += " (dropped from the registry)"
+        rate = f"{line['rate']:.3f}" if unit == "TB/s" else f"{line['rate']:.1f}"
+        passing = f"{line['passed']}/{line['checked']}" if line["checked"] else "not checked"
+        out.append(f"| {name} | {_us(line['mean_us'])} | {line['x_floor']:.2f}× | {_pct(line['pct_sol'])} | "
+                   f"{rate} | {passing} |")
+    caption = (f"{data['provenance']}; benchmark suite, means over its workloads; × floor: the version's mean µs "
+               f"over that of `{data['floor']}`")
+    if any(line["dropped"] for line in data["rows"]):
+        caption += "; a dropped version's code is in git history"
+    return f"{'#' * heading_level} Headline: {_sentence(op, data)}\n\n{caption}.\n\n" + "\n".join(out)
+
+
 def _wall_section(rows: Sequence[dict]) -> str:
     table = gpu_and_wall_table(rows)
     if not table:
@@ -282,6 +369,9 @@ def readme_section(results_dir: Path | str = RECORDED_RESULTS_DIR, figures_dir: 
     figures_dir = Path(figures_dir)
     readme_dir = Path(readme_dir) if readme_dir is not None else figures_dir.parent
     lines = ["<!-- generated by `python -m altup_cupy figures --update-readme`; do not edit by hand -->", ""]
+    for op in OPS:
+        if csv_path(op, "benchmark", Path(results_dir)).is_file():
+            lines += [headline_table(op, results_dir), ""]
     for name in README_FIGURES:
         path = figures_dir / name
         if path.is_file():
