@@ -17,10 +17,10 @@ per workload against the measured copy rate, and `progression_table` each versio
 (`altup_cupy_vN` rows, then the default) at a small, a medium and a large M: µs, TB/s and % of
 the copy floor (the `copy_floor` rows: the same bytes through a device copy).
 
-`headline_table(op)` is the progression every notebook opens with: each version of ours over the
-whole suite (mean µs, multiple of the op's floor, % of SOL, TFLOP/s or TB/s, workloads passing);
-`headline(op)` its one number, the default's mean µs and multiple of the floor, which the README
-quotes through `readme_section`.
+`headline_table(op)` is the progression every notebook and the README (`readme_section`) open
+with: each version of ours over the whole suite (mean µs, multiple of the op's floor, % of SOL,
+TFLOP/s or TB/s, workloads passing), headed by the op's one number, the default's mean µs and
+multiple of the floor.
 """
 
 from __future__ import annotations
@@ -288,14 +288,6 @@ def _headline_rows(op: str, results_dir: Path | str) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no recorded benchmark suite for {op}: {path} does not exist")
     return parse_rows(read_csv(path))
-
-
-def headline(op: str, results_dir: Path | str = RECORDED_RESULTS_DIR) -> dict:
-    """The op's one headline number, from its recorded benchmark suite: the default's row of
-    `headline_data` (mean µs, multiple of the floor, ...) with the floor's name."""
-    data = headline_data(op, _headline_rows(op, results_dir))
-    default = next(line for line in data["rows"] if line["impl"] == OURS)
-    return {**default, "floor": data["floor"]}
 
 
 def _sentence(op: str, data: dict) -> str:
