@@ -118,9 +118,10 @@ def check_supported(index: int) -> int:
     return facts(index)[0]
 
 
-def on(device: torch.device):
-    """Make `device` current for the duration, if it is not already (a launch goes to the
-    current device's context)."""
-    if device.index == torch.cuda.current_device():
+def on(device: torch.device | int):
+    """Make `device` (a CUDA device or its index) current for the duration, if it is not already
+    (a launch goes to the current device's context)."""
+    index = device if isinstance(device, int) else device.index
+    if index == torch.cuda.current_device():
         return contextlib.nullcontext()
-    return torch.cuda.device(device)
+    return torch.cuda.device(index)

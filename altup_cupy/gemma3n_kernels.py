@@ -41,6 +41,11 @@ class CorrectGradients(NamedTuple):
     grad_norm_weight: torch.Tensor  # bf16 [H]
 
 
+def _addresses(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The device addresses of `tensors`, the kernels' pointer arguments."""
+    return tuple(t.data_ptr() for t in tensors)
+
+
 def _row_threads(hidden: int) -> int:
     """H / 8 threads rounded up to whole warps, and at least N^3 <= 64: in the predict backward
     thread e accumulates the prediction-coefficient gradient entry e."""
@@ -89,7 +94,7 @@ _PACKED: dict[tuple, PackedLaunch] = {}
 
 def _packed_launch(key: tuple) -> PackedLaunch:
     step, params, device, threads, shared_mem = key
-    with torch.cuda.device(device):
+    with _device.on(device):
         entry = KERNELS[step]
         kernel = entry.source.kernel(entry.instance(params))
         if shared_mem > kernel.max_dynamic_shared_size_bytes:
@@ -104,11 +109,8 @@ def _launch(step: str, params: tuple, device: int, grid: int, threads: int, args
     numbers: the packed launch stores them by the kernel's argument types."""
     key = (step, params, device, threads, shared_mem)
     launch = _PACKED.get(key) or _packed_launch(key)
-    if device == torch._C._cuda_getDevice():
+    with _device.on(device):  # the kernel lives in `device`'s context
         launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
-    else:  # the kernel lives in `device`'s context: make it current for the launch
-        with torch.cuda.device(device):
-            launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
 
 
 def _backward_blocks(device: int, tokens: int) -> int:
@@ -133,8 +135,8 @@ def _router_grads(partials: torch.Tensor, coef_columns: int, router_weight: torc
     grid = (hidden + 31) // 32 + (coef_columns + 31) // 32
     _launch("router_grads", (streams,), partials.get_device(), grid, 1024,
             (partials.data_ptr(), partials.shape[0], partials.shape[1], hidden,
-             coef_columns, router_weight.data_ptr(), norm_weight.data_ptr(), router_scale,
-             grad_coefs.data_ptr(), grad_R.data_ptr(), grad_w.data_ptr()))
+             coef_columns, *_addresses(router_weight, norm_weight), router_scale,
+             *_addresses(grad_coefs, grad_R, grad_w)))
     return grad_coefs, grad_R, grad_w
 
 
@@ -144,7 +146,7 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     tokens = hidden_states.numel() // (streams * hidden)
     out = torch.empty_like(hidden_states)
     _launch("predict_forward", (streams, active_idx), hidden_states.get_device(), tokens, _row_threads(hidden),
-            (hidden_states.data_ptr(), prediction_coefs.data_ptr(), router_weight.data_ptr(), norm_weight.data_ptr(), out.data_ptr(),
+            (*_addresses(hidden_states, prediction_coefs, router_weight, norm_weight, out),
              tokens, hidden, eps, router_scale))
     return out
 
@@ -163,7 +165,7 @@ def _routed_backward(step: str, active_idx: int, tensors: Sequence[torch.Tensor]
     blocks = _backward_blocks(device, tokens)
     partials, stride = _partials(device, blocks, streams * hidden + coef_columns)
     _launch(step, (streams, active_idx), device, blocks, _row_threads(hidden),
-            (*(t.data_ptr() for t in tensors), partials.data_ptr(), stride, tokens, hidden,
+            (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden,
              eps, router_scale),
             shared_mem=shared_mem)
     return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
@@ -174,7 +176,8 @@ def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_w
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     grad_h = torch.empty_like(hidden_states)
     grad_P, grad_R, grad_w = _routed_backward(
-        "predict_backward", active_idx, (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
+        "predict_backward", active_idx,
+        (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
         router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
     return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
 
@@ -185,8 +188,8 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
     tokens = activated.numel() // hidden
     out = torch.empty_like(predictions)
     _launch("correct_forward", (streams, active_idx), predictions.get_device(), tokens, _row_threads(hidden),
-            (predictions.data_ptr(), activated.data_ptr(), correction_coefs.data_ptr(), router_weight.data_ptr(), norm_weight.data_ptr(),
-             out.data_ptr(), tokens, hidden, eps, router_scale))
+            (*_addresses(predictions, activated, correction_coefs, router_weight, norm_weight, out),
+             tokens, hidden, eps, router_scale))
     return out
 
 
@@ -195,7 +198,8 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
     streams, hidden = predictions.shape[0], predictions.shape[-1]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
     grad_Q, grad_R, grad_w = _routed_backward(
-        "correct_backward", active_idx, (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
+        "correct_backward", active_idx,
+        (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
         streams ** 2, router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
@@ -223,7 +227,7 @@ def expand_epilogue(x0, projected, out, floor: float) -> None:
     tokens, hidden = x0.shape
     streams = out.shape[0]
     _launch("expand_forward", (streams,), x0.get_device(), tokens, _row_threads(hidden),
-            (x0.data_ptr(), projected.data_ptr(), out.data_ptr(), hidden, (streams - 1) * hidden,
+            (*_addresses(x0, projected, out), hidden, (streams - 1) * hidden,
              tokens, hidden, floor))
 
 
@@ -232,10 +236,9 @@ def magnitude_match_backward(grad, stream_stride: int, scale: float, base, proje
     streams = projected.numel() // base.numel() + 1
     hidden = base.shape[-1]
     base_type = "float" if grad_base.dtype == torch.float32 else "unsigned short"
-    _launch("magnitude_match_backward", (streams, base_type), base.get_device(), base.numel() // hidden, _row_threads(hidden),
-            (grad.data_ptr(), base.data_ptr(), projected.data_ptr(), grad_projected.data_ptr(), grad_base.data_ptr(),
-             stream_stride, scale, proj_strides[0],
-             proj_strides[1], hidden, floor))
+    _launch("magnitude_match_backward", (streams, base_type), base.get_device(), base.numel() // hidden,
+            _row_threads(hidden), (*_addresses(grad, base, projected, grad_projected, grad_base),
+                                   stream_stride, scale, proj_strides[0], proj_strides[1], hidden, floor))
 
 
 def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor], projected, floor: float):
