@@ -248,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{args.steps * ranks * len(args.patched)} rows appended to {out}")
             if len(results) == 2:
                 _compare(results[0], results[1], args.warmup)
+        # Every rank done before any tears the group down: a gloo rank destroying its group while
+        # another still runs aborted both processes at exit ("terminate called without an active
+        # exception"), after all their work.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
