@@ -1,16 +1,18 @@
-"""bf16 x bf16 -> fp32 GEMMs through cuBLASLt, planned once per shape.
+"""bf16 x bf16 GEMMs with fp32 accumulation through cuBLASLt, planned once per shape.
 
-A `StridedBatchedGemm` builds its cuBLASLt descriptors and asks the heuristic for an algorithm
-once; a call then only stores three addresses and the stream into ctypes slots and calls
-`cublasLtMatmul` (no per-call heuristic, no argument conversion). cuBLASLt takes the stream and
-the workspace as arguments on every call and keeps no per-stream state of its own, so the GEMMs
-go to the caller's stream, are captured by CUDA graphs like any other work, and use a workspace
-the caller allocated through torch's caching allocator.
+A `Gemm` builds its cuBLASLt descriptors and asks the heuristic for an algorithm once; a call then
+only stores three addresses and the stream into ctypes slots and calls `cublasLtMatmul` (no
+per-call heuristic, no argument conversion, no tensor views: operands are addresses). cuBLASLt
+takes the stream and the workspace as arguments on every call and keeps no per-stream state of its
+own, so the GEMMs go to the caller's stream, are captured by CUDA graphs like any other work, and
+use a workspace the caller allocated through torch's caching allocator.
 
-Row-major `Y[b] = X[b] @ W[b]^T` for `batch` pairs of ([rows, k] activations, [n, k] weights) is
-the column-major product `Y^T = op_T(W^T) X^T` that cuBLAS computes: A = W with op T, B = X with op
-N, both read in place; fp32 C and fp32 compute (docs/SPEC.md section 1: a bf16 C fails the
-tolerance).
+A `Gemm` is written in row-major terms, as the package's tensors are laid out:
+`D[b] = op(X[b]) @ op(Y[b]) (+ D[b] if accumulating)`, D [rows, cols] in fp32 or bf16, X and Y
+bf16, each operand read in place with its own leading dimension (a column block of a wider matrix
+is a pointer and a leading dimension) and optionally transposed. cuBLAS is column-major: the
+row-major D is the column-major D^T = op(Y)^T op(X)^T, so Y is cuBLAS's A and X its B, and a
+row-major operand used as stored is a column-major one used transposed.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ DESC_TRANSA, DESC_TRANSB = 3, 4
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 PREF_MAX_WORKSPACE_BYTES = 1
 # The most workspace an algorithm may ask for (split-K at small M wants some); the caller
-# allocates what the chosen algorithm needs, `StridedBatchedGemm.workspace_bytes`.
+# allocates what the chosen algorithm needs, `Gemm.workspace_bytes`.
 MAX_WORKSPACE_BYTES = 32 << 20
 
 # cuBLASLt reads alpha and beta through host pointers (the descriptor's default pointer mode):
 # these live as long as the module.
-_ALPHA = ctypes.c_float(1.0)
-_BETA = ctypes.c_float(0.0)
+_ONE = ctypes.c_float(1.0)
+_ZERO = ctypes.c_float(0.0)
 
 
 class _Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
@@ -90,52 +92,84 @@ def _layout(dtype: int, rows: int, cols: int, ld: int, batch: int, batch_stride:
     return layout
 
 
-class StridedBatchedGemm:
+OUT_TYPES = {torch.float32: CUDA_R_32F, torch.bfloat16: CUDA_R_16BF}
+
+
+class Gemm:
     """One GEMM shape on the current device: descriptors and algorithm chosen at construction;
     `workspace_bytes` is what a call's workspace must hold. The descriptors live as long as the
-    plan that owns this object (plans are cached for the life of the process)."""
+    plan that owns this object (plans are cached for the life of the process).
 
-    def __init__(self, *, rows: int, n: int, k: int, batch: int, x_batch_stride: int,
-                 w_batch_stride: int, y_batch_stride: int):
+    rows, cols, inner: D is [rows, cols], the product's inner extent `inner`. x_transposed: X is
+    stored [inner, rows] (used as its transpose), else [rows, inner]; y_transposed: Y is stored
+    [cols, inner] (nn.Linear's weight layout), else [inner, cols]. ldx, ldy, ldd: row strides in
+    elements (None: the stored row length). batch > 1: that many products, operand b at
+    b * <operand>_batch_stride elements (0 repeats one operand). accumulate: D += product
+    (beta = 1; cuBLASLt reads C = D in place), else D = product."""
+
+    def __init__(self, *, rows: int, cols: int, inner: int, x_transposed: bool = False,
+                 y_transposed: bool = True, ldx: int | None = None, ldy: int | None = None,
+                 ldd: int | None = None, out_dtype: torch.dtype = torch.float32, batch: int = 1,
+                 x_batch_stride: int = 0, y_batch_stride: int = 0, d_batch_stride: int = 0,
+                 accumulate: bool = False):
         lt = _library()
         self.rows = rows
+        ldx = ldx or (rows if x_transposed else inner)
+        ldy = ldy or (inner if y_transposed else cols)
+        ldd = ldd or cols
         handle = _handle(torch.cuda.current_device())
         desc = ctypes.c_void_p()
         _check(lt.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
                "cublasLtMatmulDescCreate")
-        _set(lt.cublasLtMatmulDescSetAttribute, desc, DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T))
-        _set(lt.cublasLtMatmulDescSetAttribute, desc, DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
-        a = _layout(CUDA_R_16BF, k, n, k, batch, w_batch_stride)  # W^T viewed column-major, op T
-        b = _layout(CUDA_R_16BF, k, rows, k, batch, x_batch_stride)
-        c = _layout(CUDA_R_32F, n, rows, n, batch, y_batch_stride)
+        # cuBLAS's A is Y: a row-major [inner, cols] Y is the column-major [cols, inner] Y^T that
+        # the column-major product wants, so it is used as stored (N); a [cols, inner] Y is used
+        # transposed (T). Likewise B is X.
+        _set(lt.cublasLtMatmulDescSetAttribute, desc, DESC_TRANSA,
+             ctypes.c_int32(CUBLAS_OP_T if y_transposed else CUBLAS_OP_N))
+        _set(lt.cublasLtMatmulDescSetAttribute, desc, DESC_TRANSB,
+             ctypes.c_int32(CUBLAS_OP_T if x_transposed else CUBLAS_OP_N))
+        a = (_layout(CUDA_R_16BF, inner, cols, ldy, batch, y_batch_stride) if y_transposed
+             else _layout(CUDA_R_16BF, cols, inner, ldy, batch, y_batch_stride))
+        b = (_layout(CUDA_R_16BF, rows, inner, ldx, batch, x_batch_stride) if x_transposed
+             else _layout(CUDA_R_16BF, inner, rows, ldx, batch, x_batch_stride))
+        d = _layout(OUT_TYPES[out_dtype], cols, rows, ldd, batch, d_batch_stride)
         preference = ctypes.c_void_p()
         _check(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
         _set(lt.cublasLtMatmulPreferenceSetAttribute, preference, PREF_MAX_WORKSPACE_BYTES,
              ctypes.c_uint64(MAX_WORKSPACE_BYTES))
         result, found = _HeuristicResult(), ctypes.c_int(0)
-        _check(lt.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, c, preference, 1,
+        _check(lt.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, 1,
                                                  ctypes.byref(result), ctypes.byref(found)),
                "cublasLtMatmulAlgoGetHeuristic")
         lt.cublasLtMatmulPreferenceDestroy(preference)
         if found.value < 1:
-            raise RuntimeError(f"cuBLASLt has no algorithm for bf16 x bf16 -> fp32, rows={rows}, n={n}, k={k}")
+            raise RuntimeError(f"cuBLASLt has no algorithm for bf16 x bf16 -> {out_dtype}, rows={rows}, "
+                               f"cols={cols}, inner={inner}")
         self.workspace_bytes = int(result.workspaceSize)
         self._algo = result.algo
         self._function = lt.cublasLtMatmul
         self._function.restype = ctypes.c_int
         ptr = ctypes.c_void_p
-        self._w, self._x, self._y, self._workspace, self._stream = ptr(), ptr(), ptr(), ptr(), ptr()
-        self._descriptors = (desc, a, b, c)  # kept alive with the plan
-        self._args = (handle, desc, ctypes.byref(_ALPHA), self._w, a, self._x, b, ctypes.byref(_BETA),
-                      self._y, c, self._y, c, ctypes.byref(self._algo), self._workspace,
+        self._x, self._y, self._d, self._workspace, self._stream = ptr(), ptr(), ptr(), ptr(), ptr()
+        self._descriptors = (desc, a, b, d)  # kept alive with the plan
+        beta = _ONE if accumulate else _ZERO
+        self._args = (handle, desc, ctypes.byref(_ONE), self._y, a, self._x, b, ctypes.byref(beta),
+                      self._d, d, self._d, d, ctypes.byref(self._algo), self._workspace,
                       ctypes.c_size_t(self.workspace_bytes), self._stream)
         self._lock = threading.Lock()  # the address slots are shared by this plan's callers
 
-    def __call__(self, x_ptr: int, w_ptr: int, y_ptr: int, workspace_ptr: int, stream: int) -> None:
-        """Y[b] = X[b] @ W[b]^T on `stream`; `workspace_ptr` holds `workspace_bytes`."""
+    def __call__(self, x_ptr: int, y_ptr: int, d_ptr: int, workspace_ptr: int, stream: int) -> None:
+        """The product on `stream`; `workspace_ptr` holds `workspace_bytes`."""
         with self._lock:
-            self._x.value, self._w.value, self._y.value = x_ptr, w_ptr, y_ptr
+            self._x.value, self._y.value, self._d.value = x_ptr, y_ptr, d_ptr
             self._workspace.value, self._stream.value = workspace_ptr, stream
             status = self._function(*self._args)
         if status != 0:
             raise RuntimeError(f"cublasLtMatmul failed with cuBLAS status {status}")
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(device: int, **shape) -> Gemm:
+    """The `Gemm` of `shape` (Gemm's keywords) on CUDA device `device`, built once."""
+    with torch.cuda.device(device):
+        return Gemm(**shape)

@@ -2,9 +2,10 @@
 
 Each launcher takes bf16 CUDA tensors already validated by `gemma3n_ops` (contiguous, 16-byte
 aligned rows, H % 8 == 0, 2 <= N <= 4) and runs on torch's current stream of the tensors'
-device. The projection GEMMs of the expansion and collapse run in cuBLAS through torch
-(`torch.mm(..., out_dtype=torch.float32)`: bf16 inputs, fp32 accumulation and output, so the
-projections are never rounded before the epilogue). The predict and correct backward write their
+device. The GEMMs of the expansion and collapse run in cuBLASLt (`_cublas`: planned once per shape,
+called on addresses, so a call builds no tensor views): bf16 inputs and fp32 accumulation, the
+projections written in fp32 (never rounded before the epilogue) and the gradients rounded to bf16
+once. Each call's intermediates share one scratch allocation. The predict and correct backward write their
 weight gradients per block; `altup_router_grads_v1` sums them in a fixed order and finishes them
 in bf16: every result is bitwise deterministic.
 """
@@ -15,12 +16,15 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import _device, _sources
+from . import _cublas, _device, _sources
 from ._build import KernelSource
-from ._launch import PackedLaunch
+from ._launch import PackedLaunch, round_up
 
 STREAMS = _sources.SUPPORTED_STREAMS
 MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in H / 8 threads
+# Offsets within one call's scratch allocation (cuBLASLt wants 256-byte aligned operands for its
+# fastest kernels).
+SCRATCH_ALIGNMENT = 256
 # Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
 # registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
@@ -204,9 +208,14 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
 
-def _gemm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in cuBLAS: bf16 inputs, fp32 accumulation and output."""
-    return torch.mm(a, b, out_dtype=torch.float32)
+def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
+    """One call's intermediates and cuBLASLt workspace, one allocation (at least 1 byte, so its
+    address is real)."""
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+
+
+def _aligned(nbytes: int) -> int:
+    return round_up(nbytes, SCRATCH_ALIGNMENT)
 
 
 def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float):
@@ -214,61 +223,104 @@ def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float
     hidden = embeddings.shape[-1]
     streams = len(projections) + 1
     tokens = embeddings.numel() // hidden
-    x0 = embeddings.reshape(tokens, hidden)
-    projected = _gemm_f32(x0, torch.cat(list(projections)).T)  # [M, (N-1) H]: one GEMM for all k
+    device = embeddings.get_device()
+    projected = torch.empty((*embeddings.shape[:-1], streams - 1, hidden), dtype=torch.float32,
+                            device=embeddings.device)
     out = torch.empty((streams, *embeddings.shape), dtype=embeddings.dtype, device=embeddings.device)
-    expand_epilogue(x0, projected, out, floor)
-    return out, projected.view(*embeddings.shape[:-1], streams - 1, hidden)
+    with _device.on(device):
+        # y_k = x0 W_k^T into its column block of the [M, (N-1) H] rows
+        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
+        workspace = _scratch(project.workspace_bytes, embeddings.device).data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        x0, y = embeddings.data_ptr(), projected.data_ptr()
+        for k, w in enumerate(projections):
+            project(x0, w.data_ptr(), y + 4 * k * hidden, workspace, stream)
+    expand_epilogue(device, streams, tokens, hidden, x0, y, out.data_ptr(), floor)
+    return out, projected
 
 
-def expand_epilogue(x0, projected, out, floor: float) -> None:
-    """out[0] = x0 and out[k] = projected[:, k-1] scaled to x0's root mean square (x0 bf16 [M, H],
-    projected fp32 [M, (N-1) H], out bf16 [N, M, H])."""
-    tokens, hidden = x0.shape
-    streams = out.shape[0]
-    _launch("expand_forward", (streams,), x0.get_device(), tokens, _row_threads(hidden),
-            (*_addresses(x0, projected, out), hidden, (streams - 1) * hidden,
-             tokens, hidden, floor))
+def expand_epilogue(device: int, streams: int, tokens: int, hidden: int, x0: int, projected: int, out: int,
+                    floor: float) -> None:
+    """out[0] = x0 and out[k] = projected[:, k-1] scaled to x0's root mean square (addresses of x0
+    bf16 [M, H], projected fp32 [M, N-1, H], out bf16 [N, M, H])."""
+    _launch("expand_forward", (streams,), device, tokens, _row_threads(hidden),
+            (x0, projected, out, hidden, (streams - 1) * hidden, tokens, hidden, floor))
 
 
-def magnitude_match_backward(grad, stream_stride: int, scale: float, base, projected, proj_strides,
-                             grad_projected, grad_base, floor: float) -> None:
-    streams = projected.numel() // base.numel() + 1
-    hidden = base.shape[-1]
-    base_type = "float" if grad_base.dtype == torch.float32 else "unsigned short"
-    _launch("magnitude_match_backward", (streams, base_type), base.get_device(), base.numel() // hidden,
-            _row_threads(hidden), (*_addresses(grad, base, projected, grad_projected, grad_base),
-                                   stream_stride, scale, proj_strides[0], proj_strides[1], hidden, floor))
+def magnitude_match_backward(device: int, streams: int, tokens: int, hidden: int, grad: int, grad_stream_stride: int,
+                             grad_scale: float, base: int, projected: int, proj_strides: tuple[int, int],
+                             grad_projected: int, grad_base: int, base_grad_fp32: bool, floor: float) -> None:
+    """The magnitude match's backward (kernels/altup_magnitude_match_v1.cu) on addresses: g_k at
+    grad + k * grad_stream_stride (bf16 rows, scaled by grad_scale), the base rows and the fp32
+    projections, element (k, t, d) of the projections and their gradient (bf16) at
+    k * proj_strides[0] + t * proj_strides[1] + d; the base rows' gradient in fp32 or bf16."""
+    base_type = "float" if base_grad_fp32 else "unsigned short"
+    _launch("magnitude_match_backward", (streams, base_type), device, tokens, _row_threads(hidden),
+            (grad, base, projected, grad_projected, grad_base, grad_stream_stride, grad_scale,
+             proj_strides[0], proj_strides[1], hidden, floor))
 
 
 def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor], projected, floor: float):
-    """(grad_embeddings bf16 [B, S, H], [grad W_k fp32 [H, H]] * (N-1))."""
+    """(grad_embeddings bf16 [B, S, H], grad W bf16 [N-1, H, H]): the weight gradients accumulated in
+    fp32 and rounded once."""
     streams, hidden = grad_streams.shape[0], embeddings.shape[-1]
     tokens = embeddings.numel() // hidden
-    x0 = embeddings.reshape(tokens, hidden)
-    grad_projected = torch.empty((tokens, (streams - 1) * hidden), dtype=embeddings.dtype, device=embeddings.device)
-    grad_base = torch.empty((tokens, hidden), dtype=torch.float32, device=embeddings.device)
-    magnitude_match_backward(grad_streams, tokens * hidden, 1.0, x0, projected, (hidden, (streams - 1) * hidden),
-                             grad_projected, grad_base, floor)
-    weights = torch.cat(list(projections))  # [(N-1) H, H]
-    grad_x0 = (_gemm_f32(grad_projected, weights) + grad_base).to(embeddings.dtype)
-    # one GEMM per matrix: the operator's outputs may not be views of one buffer
-    grad_weights = [_gemm_f32(gp.T, x0) for gp in grad_projected.split(hidden, dim=1)]
-    return grad_x0.view_as(embeddings), grad_weights
+    wide = (streams - 1) * hidden  # a row of the projections: N-1 column blocks of H
+    device = embeddings.get_device()
+    with _device.on(device):
+        # grad_x0 = grad_base + sum_k gp_k W_k, summed in fp32 into grad_base, rounded once
+        to_base = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False, ldx=wide,
+                               accumulate=True)
+        # grad W_k = gp_k^T x0, one batched call: gp_k is the k-th column block, x0 the same for all k
+        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+                                  y_transposed=False, ldx=wide, out_dtype=embeddings.dtype, batch=streams - 1,
+                                  x_batch_stride=hidden, d_batch_stride=hidden * hidden)
+        grad_base = torch.empty(embeddings.shape, dtype=torch.float32, device=embeddings.device)
+        grad_weights = torch.empty((streams - 1, hidden, hidden), dtype=embeddings.dtype, device=embeddings.device)
+        workspace_offset = _aligned(2 * tokens * wide)
+        scratch = _scratch(workspace_offset + max(to_base.workspace_bytes, to_weights.workspace_bytes),
+                           embeddings.device).data_ptr()
+        x0, gp, base, workspace = embeddings.data_ptr(), scratch, grad_base.data_ptr(), scratch + workspace_offset
+        magnitude_match_backward(device, streams, tokens, hidden, grad_streams.data_ptr(), tokens * hidden, 1.0, x0,
+                                 projected.data_ptr(), (hidden, wide), gp, base, True, floor)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        for k, w in enumerate(projections):
+            to_base(gp + 2 * k * hidden, w.data_ptr(), base, workspace, stream)
+        to_weights(gp, x0, grad_weights.data_ptr(), workspace, stream)
+    return grad_base.to(embeddings.dtype), grad_weights
 
 
 def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Tensor], floor: float):
-    """(grad_hidden_states bf16 [N, B, S, H], [grad U_k fp32 [H, H]] * (N-1)); recomputes y_k."""
+    """(grad_hidden_states bf16 [N, B, S, H], grad U bf16 [N-1, H, H]); recomputes y_k. The weight
+    gradients are accumulated in fp32 and rounded once."""
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     tokens = grad_output.numel() // hidden
-    s = hidden_states.reshape(streams, tokens, hidden)
-    projected = torch.stack([_gemm_f32(s[k], U.T) for k, U in enumerate(projections, start=1)])
-    grad_s = torch.empty_like(s)
-    grad_projected = torch.empty((streams - 1, tokens, hidden), dtype=s.dtype, device=s.device)
-    magnitude_match_backward(grad_output, 0, 1.0 / streams, s[0], projected, (tokens * hidden, hidden),
-                             grad_projected, grad_s[0], floor)
-    grad_U = []
-    for k, U in enumerate(projections, start=1):
-        torch.mm(grad_projected[k - 1], U, out=grad_s[k])
-        grad_U.append(_gemm_f32(grad_projected[k - 1].T, s[k]))
-    return grad_s.view_as(hidden_states), grad_U
+    plane = tokens * hidden  # one stream's rows
+    device = hidden_states.get_device()
+    with _device.on(device):
+        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden)  # y_k = s_k U_k^T, fp32
+        to_streams = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False,
+                                  out_dtype=hidden_states.dtype)  # grad s_k = gp_k U_k
+        # grad U_k = gp_k^T s_k, one batched call over k
+        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+                                  y_transposed=False, out_dtype=hidden_states.dtype, batch=streams - 1,
+                                  x_batch_stride=plane, y_batch_stride=plane, d_batch_stride=hidden * hidden)
+        grad_s = torch.empty_like(hidden_states)
+        grad_weights = torch.empty((streams - 1, hidden, hidden), dtype=hidden_states.dtype,
+                                   device=hidden_states.device)
+        # scratch: y [N-1, M, H] fp32, then gp [N-1, M, H] bf16, then the GEMMs' workspace
+        gp_offset = _aligned(4 * (streams - 1) * plane)
+        workspace_offset = gp_offset + _aligned(2 * (streams - 1) * plane)
+        scratch = _scratch(workspace_offset + max(project.workspace_bytes, to_streams.workspace_bytes,
+                                                  to_weights.workspace_bytes), hidden_states.device).data_ptr()
+        y, gp, workspace = scratch, scratch + gp_offset, scratch + workspace_offset
+        s, ds = hidden_states.data_ptr(), grad_s.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        for k, u in enumerate(projections):
+            project(s + 2 * (k + 1) * plane, u.data_ptr(), y + 4 * k * plane, workspace, stream)
+        magnitude_match_backward(device, streams, tokens, hidden, grad_output.data_ptr(), 0, 1.0 / streams, s, y,
+                                 (plane, hidden), gp, ds, False, floor)
+        for k, u in enumerate(projections):
+            to_streams(gp + 2 * k * plane, u.data_ptr(), ds + 2 * (k + 1) * plane, workspace, stream)
+        to_weights(gp, s + 2 * plane, grad_weights.data_ptr(), workspace, stream)
+    return grad_s, grad_weights

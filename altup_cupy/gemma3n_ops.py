@@ -6,15 +6,15 @@ steps, forward and backward.
     correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale)
     correct_backward(grad, predictions, activated, ...) -> (grad_pred, grad_activated, grad_Q, grad_R, grad_w)
     expand(embeddings, projections[], floor) -> (streams, projected)   projected: x0 @ W_k^T, [B, S, N-1, H]
-    expand_backward(grad_streams, embeddings, projections[], projected, floor) -> (grad_embeddings, grad_W[])
-    collapse_backward(grad_output, hidden_states, projections[], floor) -> (grad_hidden_states, grad_U[])
+    expand_backward(grad_streams, embeddings, projections[], projected, floor) -> (grad_embeddings, grad_W)
+    collapse_backward(grad_output, hidden_states, projections[], floor) -> (grad_hidden_states, grad_U)
+    (grad_W, grad_U: the N-1 matrices' gradients stacked, [N-1, H, H])
 
 Each has a fake implementation (shapes only: torch.compile, FakeTensorMode), a CUDA implementation
 (the kernels of `gemma3n_kernels`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072; weight gradients
-accumulated in fp32, returned in bf16 by predict_backward and correct_backward and in fp32 by
-expand_backward and collapse_backward) and a CPU implementation: `reference.gemma3n` in float32 (float64 for float64 inputs, so
-torch.autograd.gradcheck runs on it), results in the input dtype and weight gradients in float32
-(float64). router_scale is the s of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or
+accumulated in fp32 and returned in the weights' dtype, bf16) and a CPU implementation:
+`reference.gemma3n` in float32 (float64 for float64 inputs, so torch.autograd.gradcheck runs on
+it), results in the input dtype and weight gradients in float32 (float64). router_scale is the s of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or
 transformers' `router_input_scale` buffer in the model's dtype. `altup_cupy.torch` makes them
 differentiable.
 """
@@ -126,14 +126,9 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _weight_grad_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype of the expansion's and collapse's weight gradients (cuBLAS GEMMs with fp32 output)."""
-    return _compute_dtype(t) if t.device.type == "cpu" else torch.float32
-
-
-def _router_grad_dtype(t: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype of predict's and correct's weight gradients: on CUDA the weights' own (bf16), which
-    `altup_router_grads_v1` rounds to once from its fp32 sums."""
+def _weight_grad_dtype(t: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of every operator's weight gradients: on CUDA the weights' own (bf16), rounded to
+    once from fp32 sums; on the CPU the compute dtype."""
     return _compute_dtype(t) if t.device.type == "cpu" else weight.dtype
 
 
@@ -188,24 +183,30 @@ def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor
     return (grads[0].to(hidden_states.dtype), *grads[1:])
 
 
-def _zero_grads(activations, *weights, dtype_of=_router_grad_dtype):
-    """The gradients of an empty batch: zero rows, zero weight gradients (dtype_of(activations, w))."""
+def _zero_grads(activations, *weights):
+    """The gradients of an empty batch: zero rows, zero weight gradients."""
     return (torch.zeros_like(activations),
-            *(torch.zeros(w.shape, dtype=dtype_of(activations, w), device=w.device) for w in weights))
+            *(torch.zeros(w.shape, dtype=_weight_grad_dtype(activations, w), device=w.device) for w in weights))
+
+
+def _stacked_like(activations, projections, make=torch.empty):
+    """The projections' gradients, stacked [N-1, H, H], as `make` gives them (in the weights' dtype,
+    which on CUDA is the activations')."""
+    hidden = activations.shape[-1]
+    return make((len(projections), hidden, hidden), dtype=_weight_grad_dtype(activations, activations),
+                device=activations.device)
 
 
 def _zero_projection_grads(activations, projections):
-    """`_zero_grads` in the layout of expand_backward and collapse_backward: (rows, [matrices])."""
-    grad_activations, *grad_projections = _zero_grads(activations, *projections,
-                                                      dtype_of=lambda a, w: _weight_grad_dtype(a))
-    return grad_activations, grad_projections
+    """The gradients of an empty batch in the layout of expand_backward and collapse_backward."""
+    return torch.zeros_like(activations), _stacked_like(activations, projections, torch.zeros)
 
 
 @predict_backward.register_fake
 def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
     _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
     return (torch.empty_like(hidden_states),
-            *(w.new_empty(w.shape, dtype=_router_grad_dtype(hidden_states, w))
+            *(w.new_empty(w.shape, dtype=_weight_grad_dtype(hidden_states, w))
               for w in (prediction_coefs, router_weight, norm_weight)))
 
 
@@ -268,7 +269,7 @@ def _(grad_corrected, predictions, activated, correction_coefs, router_weight, n
       router_scale):
     _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
     return (torch.empty_like(predictions), torch.empty_like(activated),
-            *(w.new_empty(w.shape, dtype=_router_grad_dtype(predictions, w))
+            *(w.new_empty(w.shape, dtype=_weight_grad_dtype(predictions, w))
               for w in (correction_coefs, router_weight, norm_weight)))
 
 
@@ -307,13 +308,14 @@ def expand(embeddings: torch.Tensor, projections: list[torch.Tensor], floor: flo
 def _(embeddings, projections, floor):
     streams, hidden = _validate_expand(embeddings, projections)
     return (embeddings.new_empty((streams, *embeddings.shape)),
-            embeddings.new_empty((*embeddings.shape[:-1], streams - 1, hidden), dtype=_weight_grad_dtype(embeddings)))
+            embeddings.new_empty((*embeddings.shape[:-1], streams - 1, hidden),
+                                 dtype=torch.float32 if embeddings.is_cuda else _compute_dtype(embeddings)))
 
 
 @operator("expand_backward(Tensor grad_streams, Tensor embeddings, Tensor[] projections, Tensor projected, "
-          "float floor) -> (Tensor, Tensor[])")
+          "float floor) -> (Tensor, Tensor)")
 def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projections: list[torch.Tensor],
-                    projected: torch.Tensor, floor: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                    projected: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     streams, hidden = _validate_expand(embeddings, projections)
     _check_tensor("grad_streams", grad_streams, (streams, *embeddings.shape), "N B S H")
     _check_tensor("projected", projected, (*embeddings.shape[:-1], streams - 1, hidden), "B S N-1 H")
@@ -327,15 +329,14 @@ def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projec
     g, x0 = grad_streams.to(dtype), embeddings.to(dtype)
     matched = ref.magnitude_match_backward(g[1:], x0, projected.to(dtype).movedim(-2, 0), floor)
     grad_x0 = g[0] + matched.grad_base + sum(gp @ w.to(dtype) for gp, w in zip(matched.grad_projected, projections))
-    grad_w = [gp.reshape(-1, hidden).T @ x0.reshape(-1, hidden) for gp in matched.grad_projected]
+    grad_w = torch.stack([gp.reshape(-1, hidden).T @ x0.reshape(-1, hidden) for gp in matched.grad_projected])
     return grad_x0.to(embeddings.dtype), grad_w
 
 
 @expand_backward.register_fake
 def _(grad_streams, embeddings, projections, projected, floor):
     _validate_expand(embeddings, projections)
-    f = _weight_grad_dtype(embeddings)
-    return torch.empty_like(embeddings), [w.new_empty(w.shape, dtype=f) for w in projections]
+    return torch.empty_like(embeddings), _stacked_like(embeddings, projections)
 
 
 # ---- collapse ----------------------------------------------------------------------------------
@@ -347,9 +348,9 @@ def _validate_collapse(hidden_states, projections):
 
 
 @operator("collapse_backward(Tensor grad_output, Tensor hidden_states, Tensor[] projections, "
-          "float floor) -> (Tensor, Tensor[])")
+          "float floor) -> (Tensor, Tensor)")
 def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, projections: list[torch.Tensor],
-                      floor: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                      floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     streams, hidden = _validate_collapse(hidden_states, projections)
     _check_tensor("grad_output", grad_output, tuple(hidden_states.shape[1:]), "B S H")
     if hidden_states.is_cuda:
@@ -359,13 +360,11 @@ def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, pr
             return _zero_projection_grads(hidden_states, projections)
         return cuda.collapse_backward(grad_output, hidden_states, projections, floor)
     grads = ref.collapse_backward(grad_output, hidden_states, projections, floor, _compute_dtype(hidden_states))
-    # one tensor per matrix: outputs of an operator may not alias each other
-    return grads.grad_input.to(hidden_states.dtype), [g.clone() for g in grads.grad_projections]
+    return grads.grad_input.to(hidden_states.dtype), torch.stack(list(grads.grad_projections))
 
 
 @collapse_backward.register_fake
 def _(grad_output, hidden_states, projections, floor):
     _validate_collapse(hidden_states, projections)
-    f = _weight_grad_dtype(hidden_states)
-    return torch.empty_like(hidden_states), [w.new_empty(w.shape, dtype=f) for w in projections]
+    return torch.empty_like(hidden_states), _stacked_like(hidden_states, projections)
 

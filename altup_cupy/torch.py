@@ -105,7 +105,7 @@ def _expand_setup(ctx, inputs, output):
 def _expand_backward(ctx, grad_streams, _grad_projected):
     embeddings, projected, *projections = ctx.saved_tensors
     grad_x0, grad_w = _ops.expand_backward(grad_streams.contiguous(), embeddings, projections, projected, ctx.floor)
-    return _like(grad_x0, embeddings), [_like(g, w) for g, w in zip(grad_w, projections)], None
+    return _like(grad_x0, embeddings), [_like(g, w) for g, w in zip(grad_w.unbind(), projections)], None
 
 
 torch.library.register_autograd("altup_cupy::expand", _expand_backward, setup_context=_expand_setup)
@@ -129,7 +129,7 @@ def _collapse_setup(ctx, inputs, output):
 def _collapse_backward(ctx, grad):
     hidden_states, *projections = ctx.saved_tensors
     grad_s, grad_u = _ops.collapse_backward(grad.contiguous(), hidden_states, projections, ctx.floor)
-    return (_like(grad_s, hidden_states), [_like(g, u) for g, u in zip(grad_u, projections)],
+    return (_like(grad_s, hidden_states), [_like(g, u) for g, u in zip(grad_u.unbind(), projections)],
             # eps, and version where the dispatcher counts it: one None per remaining input
             *([None] * (len(ctx.needs_input_grad) - 2)))
 

@@ -199,6 +199,7 @@ def _kernel_cases(tokens: int):
     must read and write once (bf16 2 bytes, fp32 projections 4; the small weights left out)."""
     n, h, m = STREAMS, HIDDEN, tokens
     eps, scale, floor, active = 1e-6, 1.0 / HIDDEN, 1e-5, 0
+    device = torch.cuda.current_device()
 
     def bf16(*shape):
         return torch.randn(*shape, device="cuda").to(torch.bfloat16)
@@ -216,10 +217,12 @@ def _kernel_cases(tokens: int):
         ("predict_backward", lambda: kernels.predict_backward(grad, streams, P, R, w, active, eps, scale), 3 * n * row),
         ("correct_backward", lambda: kernels.correct_backward(grad, streams, activated, Q, R, w, active, eps, scale),
          (3 * n + 2) * row),
-        ("expand_epilogue", lambda: kernels.expand_epilogue(x0, projected, expanded, floor),
+        ("expand_epilogue", lambda: kernels.expand_epilogue(
+            device, n, m, h, x0.data_ptr(), projected.data_ptr(), expanded.data_ptr(), floor),
          (1 + 2 * (n - 1) + n) * row),
         ("magnitude_match_backward", lambda: kernels.magnitude_match_backward(
-            grad, m * h, 1.0, x0, projected, (h, (n - 1) * h), grad_projected, grad_base, floor),
+            device, n, m, h, grad.data_ptr(), m * h, 1.0, x0.data_ptr(), projected.data_ptr(), (h, (n - 1) * h),
+            grad_projected.data_ptr(), grad_base.data_ptr(), True, floor),
          (n + 1 + 2 * (n - 1) + (n - 1) + 2) * row),
     ]
 

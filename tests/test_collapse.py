@@ -255,13 +255,13 @@ def test_runs_on_the_callers_torch_stream(seeds):
 def _count_gemms(monkeypatch):
     """Record the rows of every projection GEMM the collapse issues."""
     calls = []
-    real = _cublas.StridedBatchedGemm.__call__
+    real = _cublas.Gemm.__call__
 
     def counting(self, *args):
         calls.append(self.rows)
         return real(self, *args)
 
-    monkeypatch.setattr(_cublas.StridedBatchedGemm, "__call__", counting)
+    monkeypatch.setattr(_cublas.Gemm, "__call__", counting)
     return calls
 
 
@@ -300,7 +300,7 @@ def test_empty_batch_returns_without_launch(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a GPU launch for M = 0")
 
-    monkeypatch.setattr(_cublas.StridedBatchedGemm, "__call__", fail)
+    monkeypatch.setattr(_cublas.Gemm, "__call__", fail)
     monkeypatch.setattr(_sources.COLLAPSE_V1, "kernel", fail)
     ws = torch.zeros((2, 3072, 3072), dtype=BF16, device="cuda")
     for shape in [(3, 0, 5, 3072), (3, 4, 0, 3072)]:

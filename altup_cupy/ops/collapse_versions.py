@@ -44,10 +44,10 @@ class V1Plan:
         # One GEMM per distinct row-block size: stacked weights in one strided batched call,
         # listed weights one call each.
         self.gemms = {
-            count: _cublas.StridedBatchedGemm(
-                rows=count, n=hidden, k=hidden, batch=streams - 1 if stacked else 1,
-                x_batch_stride=rows * hidden, w_batch_stride=hidden * hidden if stacked else 0,
-                y_batch_stride=count * hidden)
+            count: _cublas.Gemm(
+                rows=count, cols=hidden, inner=hidden, batch=streams - 1 if stacked else 1,
+                x_batch_stride=rows * hidden, y_batch_stride=hidden * hidden if stacked else 0,
+                d_batch_stride=count * hidden)
             for count in {count for _, count in self.blocks}}
         projection_bytes = (streams - 1) * self.block_rows * hidden * 4
         self.gemm_workspace_offset = round_up(projection_bytes, 256)

@@ -76,8 +76,8 @@ def _gemms_alone(inputs):
     """The fp32-output projections exactly as v1 issues them, without the epilogue."""
     x, ws, y = _projection_operands(inputs)
     batch, rows, hidden = x.shape
-    gemm = _cublas.StridedBatchedGemm(rows=rows, n=hidden, k=hidden, batch=batch, x_batch_stride=x.stride(0),
-                                      w_batch_stride=ws.stride(0), y_batch_stride=y.stride(0))
+    gemm = _cublas.Gemm(rows=rows, cols=hidden, inner=hidden, batch=batch, x_batch_stride=x.stride(0),
+                        y_batch_stride=ws.stride(0), d_batch_stride=y.stride(0))
     workspace = torch.empty(gemm.workspace_bytes, dtype=torch.uint8, device=x.device)
     return lambda: gemm(x.data_ptr(), ws.data_ptr(), y.data_ptr(), workspace.data_ptr(),
                         torch.cuda.current_stream().cuda_stream)
