@@ -151,7 +151,7 @@ def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_
     if hidden_states.is_cuda:
         _check_cuda(list(zip(("hidden_states", "prediction_coefs", "router_weight", "norm_weight"), args)),
                     streams, hidden)
-        if hidden_states[0].numel() == 0:
+        if hidden_states.numel() == 0:
             return torch.empty_like(hidden_states)
         return cuda.predict_forward(*args, active_idx, eps, router_scale)
     pred = ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
@@ -176,7 +176,7 @@ def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor
     if hidden_states.is_cuda:
         _check_cuda(list(zip(("grad_predictions", "hidden_states", "prediction_coefs", "router_weight",
                               "norm_weight"), args)), streams, hidden)
-        if hidden_states[0].numel() == 0:
+        if hidden_states.numel() == 0:
             return _zero_grads(hidden_states, prediction_coefs, router_weight, norm_weight)
         return tuple(cuda.predict_backward(*args, active_idx, eps, router_scale))
     grads = ref.predict_backward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
