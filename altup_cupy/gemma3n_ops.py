@@ -121,6 +121,42 @@ def _check_cuda(tensors: Sequence[tuple[str, torch.Tensor]], streams: int, hidde
             raise ValueError(f"{name} must be 16-byte aligned (data_ptr % 16 == 0), got {t.data_ptr() % 16}")
 
 
+def _kernels_take(streams_t: torch.Tensor, active_idx, others: Sequence[torch.Tensor], shapes) -> bool:
+    """The common case checked in one pass: `streams_t` a [N, B, S, H] CUDA tensor of a shape the
+    kernels serve, 0 <= active_idx < N, and every tensor (`streams_t`, then `others`, of the shapes
+    `shapes(N, B, S, H)` gives) bf16, contiguous, 16-byte aligned and on one device. False sends
+    the call through the full validation, which names what is wrong (or lets a CPU call through).
+    Inside a compiled model the ops run once per layer and step, where this check costs a fraction
+    of the full one."""
+    shape = streams_t.shape
+    if len(shape) != 4 or not streams_t.is_cuda or type(active_idx) is not int:
+        return False
+    n, b, s, h = shape
+    if n not in cuda.STREAMS or h % 8 or h > cuda.MAX_HIDDEN or not 0 <= active_idx < n:
+        return False
+    wanted = shapes(n, b, s, h)
+    if len(others) != len(wanted):
+        return False
+    device = streams_t.get_device()
+    for t, want in zip((streams_t, *others), (shape, *wanted)):
+        if (t.dtype != BF16 or t.shape != want or t.get_device() != device or not t.is_contiguous()
+                or t.data_ptr() % 16):
+            return False
+    return True
+
+
+def _predict_shapes(n, b, s, h):  # prediction_coefs, router_weight, norm_weight
+    return (n * n, n), (n, h), (h,)
+
+
+def _correct_shapes(n, b, s, h):  # activated, correction_coefs, router_weight, norm_weight
+    return (b, s, h), (n, n), (n, h), (h,)
+
+
+def _projection_shapes(n, b, s, h):  # the N-1 matrices
+    return ((h, h),) * (n - 1)
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The CPU implementations compute in float32, or float64 for float64 inputs."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -146,16 +182,17 @@ def _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weigh
           "SymInt active_idx, float eps, float router_scale) -> Tensor")
 def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
             norm_weight: torch.Tensor, active_idx: int, eps: float, router_scale: float) -> torch.Tensor:
-    streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
     args = (hidden_states, prediction_coefs, router_weight, norm_weight)
-    if hidden_states.is_cuda:
+    if not _kernels_take(hidden_states, active_idx, args[1:], _predict_shapes):
+        streams, hidden = _validate_predict(*args, active_idx)
+        if not hidden_states.is_cuda:
+            pred = ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
+            return pred.to(hidden_states.dtype)
         _check_cuda(list(zip(("hidden_states", "prediction_coefs", "router_weight", "norm_weight"), args)),
                     streams, hidden)
-        if hidden_states.numel() == 0:
-            return torch.empty_like(hidden_states)
-        return cuda.predict_forward(*args, active_idx, eps, router_scale)
-    pred = ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
-    return pred.to(hidden_states.dtype)
+    if hidden_states.numel() == 0:
+        return torch.empty_like(hidden_states)
+    return cuda.predict_forward(*args, active_idx, eps, router_scale)
 
 
 @predict.register_fake
@@ -170,17 +207,19 @@ def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, e
 def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor, prediction_coefs: torch.Tensor,
                      router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
                      router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
-    _check_tensor("grad_predictions", grad_predictions, tuple(hidden_states.shape), "N B S H")
     args = (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight)
-    if hidden_states.is_cuda:
+    if not _kernels_take(hidden_states, active_idx, (prediction_coefs, router_weight, norm_weight, grad_predictions),
+                         lambda n, b, s, h: (*_predict_shapes(n, b, s, h), (n, b, s, h))):
+        streams, hidden = _validate_predict(*args[1:], active_idx)
+        _check_tensor("grad_predictions", grad_predictions, tuple(hidden_states.shape), "N B S H")
+        if not hidden_states.is_cuda:
+            grads = ref.predict_backward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
+            return (grads[0].to(hidden_states.dtype), *grads[1:])
         _check_cuda(list(zip(("grad_predictions", "hidden_states", "prediction_coefs", "router_weight",
                               "norm_weight"), args)), streams, hidden)
-        if hidden_states.numel() == 0:
-            return _zero_grads(hidden_states, prediction_coefs, router_weight, norm_weight)
-        return tuple(cuda.predict_backward(*args, active_idx, eps, router_scale))
-    grads = ref.predict_backward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
-    return (grads[0].to(hidden_states.dtype), *grads[1:])
+    if hidden_states.numel() == 0:
+        return _zero_grads(hidden_states, prediction_coefs, router_weight, norm_weight)
+    return tuple(cuda.predict_backward(*args, active_idx, eps, router_scale))
 
 
 def _zero_grads(activations, *weights):
@@ -229,13 +268,15 @@ def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs
             router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
             router_scale: float) -> torch.Tensor:
     args = (predictions, activated, correction_coefs, router_weight, norm_weight)
-    streams, hidden = _validate_correct(*args, active_idx)
-    if predictions.is_cuda:
+    if not _kernels_take(predictions, active_idx, args[1:], _correct_shapes):
+        streams, hidden = _validate_correct(*args, active_idx)
+        if not predictions.is_cuda:
+            return ref.correct_forward(*args, active_idx, eps, _compute_dtype(predictions),
+                                       router_scale).to(predictions.dtype)
         _check_cuda(list(zip(_CORRECT_NAMES, args)), streams, hidden)
-        if activated.numel() == 0:
-            return torch.empty_like(predictions)
-        return cuda.correct_forward(*args, active_idx, eps, router_scale)
-    return ref.correct_forward(*args, active_idx, eps, _compute_dtype(predictions), router_scale).to(predictions.dtype)
+    if activated.numel() == 0:
+        return torch.empty_like(predictions)
+    return cuda.correct_forward(*args, active_idx, eps, router_scale)
 
 
 @correct.register_fake
@@ -252,16 +293,18 @@ def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, ac
                      active_idx: int, eps: float, router_scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (predictions, activated, correction_coefs, router_weight, norm_weight)
-    streams, hidden = _validate_correct(*args, active_idx)
-    _check_tensor("grad_corrected", grad_corrected, tuple(predictions.shape), "N B S H")
-    if predictions.is_cuda:
+    if not _kernels_take(predictions, active_idx, (*args[1:], grad_corrected),
+                         lambda n, b, s, h: (*_correct_shapes(n, b, s, h), (n, b, s, h))):
+        streams, hidden = _validate_correct(*args, active_idx)
+        _check_tensor("grad_corrected", grad_corrected, tuple(predictions.shape), "N B S H")
+        if not predictions.is_cuda:
+            grads = ref.correct_backward(grad_corrected, *args, active_idx, eps, _compute_dtype(predictions),
+                                         router_scale)
+            return (grads[0].to(predictions.dtype), grads[1].to(activated.dtype), *grads[2:])
         _check_cuda([("grad_corrected", grad_corrected), *zip(_CORRECT_NAMES, args)], streams, hidden)
-        if activated.numel() == 0:
-            return (torch.zeros_like(predictions), *_zero_grads(activated, correction_coefs, router_weight,
-                                                                 norm_weight))
-        return tuple(cuda.correct_backward(grad_corrected, *args, active_idx, eps, router_scale))
-    grads = ref.correct_backward(grad_corrected, *args, active_idx, eps, _compute_dtype(predictions), router_scale)
-    return (grads[0].to(predictions.dtype), grads[1].to(activated.dtype), *grads[2:])
+    if activated.numel() == 0:
+        return (torch.zeros_like(predictions), *_zero_grads(activated, correction_coefs, router_weight, norm_weight))
+    return tuple(cuda.correct_backward(grad_corrected, *args, active_idx, eps, router_scale))
 
 
 @correct_backward.register_fake
@@ -316,15 +359,34 @@ def _(embeddings, projections, floor):
           "float floor) -> (Tensor, Tensor)")
 def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projections: list[torch.Tensor],
                     projected: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    streams, hidden = _validate_expand(embeddings, projections)
-    _check_tensor("grad_streams", grad_streams, (streams, *embeddings.shape), "N B S H")
-    _check_tensor("projected", projected, (*embeddings.shape[:-1], streams - 1, hidden), "B S N-1 H")
-    if embeddings.is_cuda:
+    _check_floor(floor)
+    if not (_kernels_take(grad_streams, 0, (embeddings, *projections),
+                          lambda n, b, s, h: ((b, s, h), *_projection_shapes(n, b, s, h)))
+            and _projected_ready(projected, embeddings)):
+        streams, hidden = _validate_expand(embeddings, projections)
+        _check_tensor("grad_streams", grad_streams, (streams, *embeddings.shape), "N B S H")
+        _check_tensor("projected", projected, (*embeddings.shape[:-1], streams - 1, hidden), "B S N-1 H")
+        if not embeddings.is_cuda:
+            return _expand_backward_cpu(grad_streams, embeddings, projections, projected, floor)
         _check_cuda([("grad_streams", grad_streams), ("embeddings", embeddings), *_named_projections(projections)],
                     streams, hidden)
-        if embeddings.numel() == 0:
-            return _zero_projection_grads(embeddings, projections)
-        return cuda.expand_backward(grad_streams, embeddings, projections, projected, floor)
+        if not _projected_ready(projected, embeddings):
+            raise TypeError("projected must be the expansion's own float32 output (contiguous, on the device of "
+                            f"embeddings), got {projected.dtype} on {projected.device}")
+    if embeddings.numel() == 0:
+        return _zero_projection_grads(embeddings, projections)
+    return cuda.expand_backward(grad_streams, embeddings, projections, projected, floor)
+
+
+def _projected_ready(projected, embeddings) -> bool:
+    """The saved projections as the CUDA backward reads them (their shape is checked with the rest)."""
+    return (projected.dtype == torch.float32 and projected.get_device() == embeddings.get_device()
+            and projected.is_contiguous() and projected.data_ptr() % 16 == 0
+            and projected.shape[:-2] == embeddings.shape[:-1] and projected.shape[-1] == embeddings.shape[-1])
+
+
+def _expand_backward_cpu(grad_streams, embeddings, projections, projected, floor):
+    hidden = embeddings.shape[-1]
     dtype = _compute_dtype(embeddings)
     g, x0 = grad_streams.to(dtype), embeddings.to(dtype)
     matched = ref.magnitude_match_backward(g[1:], x0, projected.to(dtype).movedim(-2, 0), floor)
@@ -351,16 +413,20 @@ def _validate_collapse(hidden_states, projections):
           "float floor) -> (Tensor, Tensor)")
 def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, projections: list[torch.Tensor],
                       floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    streams, hidden = _validate_collapse(hidden_states, projections)
-    _check_tensor("grad_output", grad_output, tuple(hidden_states.shape[1:]), "B S H")
-    if hidden_states.is_cuda:
+    _check_floor(floor)
+    if not _kernels_take(hidden_states, 0, (grad_output, *projections),
+                         lambda n, b, s, h: ((b, s, h), *_projection_shapes(n, b, s, h))):
+        streams, hidden = _validate_collapse(hidden_states, projections)
+        _check_tensor("grad_output", grad_output, tuple(hidden_states.shape[1:]), "B S H")
+        if not hidden_states.is_cuda:
+            grads = ref.collapse_backward(grad_output, hidden_states, projections, floor,
+                                          _compute_dtype(hidden_states))
+            return grads.grad_input.to(hidden_states.dtype), torch.stack(list(grads.grad_projections))
         _check_cuda([("grad_output", grad_output), ("hidden_states", hidden_states),
                      *_named_projections(projections)], streams, hidden)
-        if grad_output.numel() == 0:
-            return _zero_projection_grads(hidden_states, projections)
-        return cuda.collapse_backward(grad_output, hidden_states, projections, floor)
-    grads = ref.collapse_backward(grad_output, hidden_states, projections, floor, _compute_dtype(hidden_states))
-    return grads.grad_input.to(hidden_states.dtype), torch.stack(list(grads.grad_projections))
+    if grad_output.numel() == 0:
+        return _zero_projection_grads(hidden_states, projections)
+    return cuda.collapse_backward(grad_output, hidden_states, projections, floor)
 
 
 @collapse_backward.register_fake

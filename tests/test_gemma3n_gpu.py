@@ -57,6 +57,54 @@ def _randn(gen, *shape, scale=1.0, dtype=torch.bfloat16):
     return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
 
 
+def test_one_pass_check_passes_only_what_the_kernels_take(seeds, monkeypatch):
+    """Good CUDA inputs skip the full validation (gemma3n_ops._kernels_take); every bad one still
+    reaches it and raises its named error."""
+    from altup_cupy import gemma3n_ops
+
+    gen = torch.Generator("cuda").manual_seed(seeds())
+    n, h = STREAMS, 256
+    hs, act, grad = _randn(gen, n, 2, 8, h), _randn(gen, 2, 8, h), _randn(gen, n, 2, 8, h)
+    P, Q, R, w = _randn(gen, n * n, n), _randn(gen, n, n), _randn(gen, n, h), 1 + _randn(gen, h)
+    W = [_randn(gen, h, h, scale=h ** -0.5) for _ in range(n - 1)]
+    ops = torch.ops.altup_cupy
+    _, projected = ops.expand(act, W, 1e-5)
+    calls = {
+        "predict": lambda P=P, R=R, w=w, a=0: ops.predict(hs, P, R, w, a, 1e-6, 1 / h),
+        "predict_backward": lambda P=P, R=R, w=w, a=0: ops.predict_backward(grad, hs, P, R, w, a, 1e-6, 1 / h),
+        "correct": lambda P=Q, R=R, w=w, a=0: ops.correct(hs, act, P, R, w, a, 1e-6, 1 / h),
+        "correct_backward": lambda P=Q, R=R, w=w, a=0: ops.correct_backward(grad, hs, act, P, R, w, a, 1e-6, 1 / h),
+    }
+    full = {name: getattr(gemma3n_ops, name) for name in ("_validate_predict", "_validate_correct",
+                                                          "_validate_expand", "_validate_collapse")}
+    for name in full:
+        monkeypatch.setattr(gemma3n_ops, name, lambda *a, name=name: pytest.fail(f"{name} ran on good inputs"))
+    for call in calls.values():
+        call()
+    ops.expand_backward(grad, act, W, projected, 1e-5)
+    ops.collapse_backward(act, hs, W, 1e-5)
+    for name, function in full.items():
+        monkeypatch.setattr(gemma3n_ops, name, function)
+    misaligned = _randn(gen, h + 8)[1:h + 1]
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="router_weight must be contiguous"):
+            call(R=_randn(gen, h, n).T)
+        with pytest.raises(ValueError, match="norm_weight must be 16-byte aligned"):
+            call(w=misaligned)
+        with pytest.raises(TypeError, match="norm_weight must have dtype bfloat16"):
+            call(w=w.float())
+        with pytest.raises(ValueError, match="coefs must have shape"):
+            call(P=P[:1])
+        with pytest.raises(ValueError, match="active_idx must satisfy"):
+            call(a=n)
+    with pytest.raises(TypeError, match="projected must be the expansion's own float32 output"):
+        ops.expand_backward(grad, act, W, projected.bfloat16(), 1e-5)
+    with pytest.raises(ValueError, match="projections must hold N-1"):
+        ops.collapse_backward(act, hs, W[:-1], 1e-5)
+    with pytest.raises(ValueError, match="projections\\[1\\] must be contiguous"):
+        ops.collapse_backward(act, hs, [W[0], W[1].T, W[2]], 1e-5)
+
+
 def _altup_module(seed, hidden, active):
     gen = torch.Generator("cuda").manual_seed(seed)
     module = modeling.Gemma3nTextAltUp(tiny_text_config(streams=STREAMS, hidden=hidden, active_idx=active))
