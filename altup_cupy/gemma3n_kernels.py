@@ -210,7 +210,9 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
 
 def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
     """One call's intermediates and cuBLASLt workspace, one allocation (at least 1 byte, so its
-    address is real)."""
+    address is real). Callers hold the tensor until they return: the launches that use its address
+    are queued after the allocation, and a tensor dropped before them could hand its memory to an
+    allocation made in between."""
     return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
 
 
@@ -230,7 +232,8 @@ def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float
     with _device.on(device):
         # y_k = x0 W_k^T into its column block of the [M, (N-1) H] rows
         project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
-        workspace = _scratch(project.workspace_bytes, embeddings.device).data_ptr()
+        scratch = _scratch(project.workspace_bytes, embeddings.device)
+        workspace = scratch.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(device)
         x0, y = embeddings.data_ptr(), projected.data_ptr()
         for k, w in enumerate(projections):
@@ -279,8 +282,9 @@ def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor
         grad_weights = torch.empty((streams - 1, hidden, hidden), dtype=embeddings.dtype, device=embeddings.device)
         workspace_offset = _aligned(2 * tokens * wide)
         scratch = _scratch(workspace_offset + max(to_base.workspace_bytes, to_weights.workspace_bytes),
-                           embeddings.device).data_ptr()
-        x0, gp, base, workspace = embeddings.data_ptr(), scratch, grad_base.data_ptr(), scratch + workspace_offset
+                           embeddings.device)
+        gp = scratch.data_ptr()
+        x0, base, workspace = embeddings.data_ptr(), grad_base.data_ptr(), gp + workspace_offset
         magnitude_match_backward(device, streams, tokens, hidden, grad_streams.data_ptr(), tokens * hidden, 1.0, x0,
                                  projected.data_ptr(), (hidden, wide), gp, base, True, floor)
         stream = torch._C._cuda_getCurrentRawStream(device)
@@ -312,8 +316,9 @@ def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Te
         gp_offset = _aligned(4 * (streams - 1) * plane)
         workspace_offset = gp_offset + _aligned(2 * (streams - 1) * plane)
         scratch = _scratch(workspace_offset + max(project.workspace_bytes, to_streams.workspace_bytes,
-                                                  to_weights.workspace_bytes), hidden_states.device).data_ptr()
-        y, gp, workspace = scratch, scratch + gp_offset, scratch + workspace_offset
+                                                  to_weights.workspace_bytes), hidden_states.device)
+        y = scratch.data_ptr()
+        gp, workspace = y + gp_offset, y + workspace_offset
         s, ds = hidden_states.data_ptr(), grad_s.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(device)
         for k, u in enumerate(projections):
