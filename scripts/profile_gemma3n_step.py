@@ -1,0 +1,140 @@
+"""Where the host time of one Gemma 3n step goes: transformers' own code, the patch, and the patch
+with its kernels left out.
+
+    python3 scripts/profile_gemma3n_step.py --out-dir results/nvidia-h200/profile_1x256
+
+For each task (train, prefill) under torch.compile it builds the `mini` model of
+`altup_cupy.lab.gemma3n_model` three times: unpatched, patched, and patched with the launchers of
+`altup_cupy.gemma3n_kernels` replaced by bare allocations of their outputs (the operators' dispatch,
+validation and autograd stay; no kernel and no cuBLAS call is issued). The wall time of a step
+(median of 20, synchronised) of each shows what the patch's kernels cost the host: unpatched vs
+patched is the patch's net effect, patched vs no-kernels is the launchers' own share. Then eager
+prefill, patched and not (host-bound at this size). The stub's outputs are garbage: its rows time
+the host, never the results. For the unpatched and patched compiled steps it also writes
+`prof_<task>_<variant>.txt`: torch.profiler's operator table (CPU time) and a cProfile of five steps
+with the backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`, so
+cProfile sees it). Both profilers add their own cost per call: compare the files with each other,
+not with the wall times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+from altup_cupy import gemma3n_kernels
+from altup_cupy.lab import gemma3n_model
+
+LAUNCHERS = ("predict_forward", "correct_forward", "predict_backward", "correct_backward", "expand_forward",
+             "expand_backward", "collapse_backward")
+REAL_LAUNCHERS = {name: getattr(gemma3n_kernels, name) for name in LAUNCHERS}
+
+
+def _square(weights):
+    """[N-1, H, H], like the stacked weight gradients."""
+    hidden = weights[0].shape[-1]
+    return weights[0].new_empty((len(weights), hidden, hidden))
+
+
+# What each launcher returns, allocated and never written.
+BARE_LAUNCHERS = {
+    "predict_forward": lambda h, *_: torch.empty_like(h),
+    "correct_forward": lambda p, *_: torch.empty_like(p),
+    "predict_backward": lambda g, h, coefs, router, norm, *_: tuple(map(torch.empty_like, (h, coefs, router, norm))),
+    "correct_backward": lambda g, p, x, coefs, router, norm, *_: tuple(map(torch.empty_like, (p, x, coefs, router,
+                                                                                              norm))),
+    "expand_forward": lambda e, weights, _floor: (
+        e.new_empty((len(weights) + 1, *e.shape)),
+        e.new_empty((*e.shape[:-1], len(weights), e.shape[-1]), dtype=torch.float32)),
+    "expand_backward": lambda g, e, weights, _projected, _floor: (torch.empty_like(e), _square(weights)),
+    "collapse_backward": lambda g, h, weights, _floor: (torch.empty_like(h), _square(weights)),
+}
+
+
+def _use_launchers(launchers: dict) -> None:
+    for name, function in launchers.items():
+        setattr(gemma3n_kernels, name, function)
+
+
+def _wall_ms(step, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def _write_profiles(step, path: Path) -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    text = [averages.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70),
+            "\nby self CPU time\n", averages.table(sort_by="self_cpu_time_total", row_limit=30,
+                                                   max_name_column_width=70)]
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        profiler.disable()
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumtime").print_stats(60)
+    text += ["\ncProfile of 5 steps, the backward on the calling thread\n", stream.getvalue()]
+    path.write_text("".join(text))
+
+
+def run_case(task: str, mode: str, variant: str, batch: int, seq: int, out_dir: Path | None) -> str:
+    gemma3n_model._release()
+    counters.clear()
+    _use_launchers(BARE_LAUNCHERS if variant == "no-kernels" else REAL_LAUNCHERS)
+    try:
+        model = gemma3n_model.build_model("mini", patched=variant != "unpatched")
+        step = gemma3n_model.make_step(model, task, mode, batch, seq)
+        for _ in range(3):
+            step()
+        wall = _wall_ms(step)
+        graphs = counters["stats"].get("unique_graphs", 0)
+        breaks = sum(counters["graph_break"].values())
+        if out_dir is not None and mode != "eager" and variant != "no-kernels":
+            _write_profiles(step, out_dir / f"prof_{task}_{variant}.txt")
+    finally:
+        _use_launchers(REAL_LAUNCHERS)
+    return f"{task:8s} {mode:8s} {variant:10s} {batch}x{seq}: wall {wall:7.2f} ms, graphs {graphs}, breaks {breaks}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--out-dir", type=Path, default=None, help="where the profiles go (none: no profiles)")
+    args = parser.parse_args()
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    warnings.filterwarnings("ignore")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    for task in ("train", "prefill"):
+        for variant in ("unpatched", "patched", "no-kernels"):
+            print(run_case(task, "compile", variant, args.batch, args.seq, args.out_dir), flush=True)
+    for variant in ("unpatched", "patched"):
+        print(run_case("prefill", "eager", variant, args.batch, args.seq, None), flush=True)
+
+
+if __name__ == "__main__":
+    main()
