@@ -166,15 +166,24 @@ ROW_THREADS_MAX = 384
 _ROWS = {"ROW_THREADS_MAX": ROW_THREADS_MAX}
 
 
-def _per_active(kernel: str) -> tuple[str, ...]:
-    return tuple(f"{kernel}<{n}, {a}>" for n in SUPPORTED_STREAMS for a in range(n))
+# The layouts of the predict and correct backwards' weight-gradient sums in shared memory, one per
+# version of those kernels (kernels/altup_rows.cuh): version v takes ROUTED_BACKWARD_SUMS[v - 1].
+ROUTED_BACKWARD_SUMS = ("RowMajorSums", "SliceMajorSums")
+
+
+def _per_active(kernel: str, *fixed: str) -> tuple[str, ...]:
+    return tuple(f"{kernel}<{', '.join((str(n), str(a), *fixed))}>" for n in SUPPORTED_STREAMS for a in range(n))
+
+
+def _routed_backwards(kernel: str) -> tuple[str, ...]:
+    return tuple(name for sums in ROUTED_BACKWARD_SUMS for name in _per_active(kernel, sums))
 
 
 ALTUP_PREDICT_V1 = KernelSource(
-    "altup_predict_v1.cu", _per_active("altup_predict_forward_v1") + _per_active("altup_predict_backward_v1"),
+    "altup_predict_v1.cu", _per_active("altup_predict_forward_v1") + _routed_backwards("altup_predict_backward"),
     min_arch=80, defines=_ROWS)
 ALTUP_CORRECT_V1 = KernelSource(
-    "altup_correct_v1.cu", _per_active("altup_correct_forward_v1") + _per_active("altup_correct_backward_v1"),
+    "altup_correct_v1.cu", _per_active("altup_correct_forward_v1") + _routed_backwards("altup_correct_backward"),
     min_arch=80, defines=_ROWS)
 ALTUP_MAGNITUDE_MATCH_V1 = KernelSource(
     "altup_magnitude_match_v1.cu",

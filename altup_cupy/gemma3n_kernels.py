@@ -64,42 +64,55 @@ _BACKWARD_TAIL = ("i64", "i64", "i32", "f32", "f32")  # partial stride, tokens, 
 
 
 class RowKernel(NamedTuple):
-    """One step's kernel: its source, its template and its argument types. A new version of a step
-    is a new `.cu`, its `KernelSource` in `_sources` and this registry's entry pointing at it."""
+    """One version of one step's kernel: its source, its template, its argument types and the
+    template arguments after the call's own (fixed per version). A new version of a step is a new
+    entry at the end of the step's tuple in `KERNELS`: a new `.cu` and its `KernelSource` in
+    `_sources`, or a new fixed template argument of an existing kernel."""
     source: KernelSource
     template: str
     arg_types: tuple[str, ...]
+    fixed: tuple[str, ...] = ()
 
     def instance(self, params: tuple) -> str:
-        """The name expression of the instantiation <params...> (as `_sources` lists it)."""
-        return f"{self.template}<{', '.join(map(str, params))}>"
+        """The name expression of the instantiation <params..., fixed...> (as `_sources` lists it)."""
+        return f"{self.template}<{', '.join((*map(str, params), *self.fixed))}>"
 
 
+def _routed_backward_versions(source: KernelSource, template: str, arg_types: tuple[str, ...]):
+    """The predict or correct backward's versions: one per weight-sum layout (`_sources`)."""
+    return tuple(RowKernel(source, template, arg_types, (sums,)) for sums in _sources.ROUTED_BACKWARD_SUMS)
+
+
+# Each step's versions, oldest first; the last is the one the operators use (`DEFAULT`).
 KERNELS = {
     # <N, active index>
-    "predict_forward": RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 5 + _FORWARD_TAIL),
-    "predict_backward": RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_backward_v1", _PTR * 7 + _BACKWARD_TAIL),
-    "correct_forward": RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 6 + _FORWARD_TAIL),
-    "correct_backward": RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_backward_v1", _PTR * 9 + _BACKWARD_TAIL),
+    "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 5 + _FORWARD_TAIL),),
+    # <N, active index, weight-sum layout>: v1 row-major sums (8-way bank conflicts), v2 slice-major
+    "predict_backward": _routed_backward_versions(_sources.ALTUP_PREDICT_V1, "altup_predict_backward",
+                                                  _PTR * 7 + _BACKWARD_TAIL),
+    "correct_forward": (RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 6 + _FORWARD_TAIL),),
+    "correct_backward": _routed_backward_versions(_sources.ALTUP_CORRECT_V1, "altup_correct_backward",
+                                                  _PTR * 9 + _BACKWARD_TAIL),
     # <N>
-    "router_grads": RowKernel(_sources.ALTUP_ROUTER_GRADS_V1, "altup_router_grads_v1",
-                              ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),
-    "expand_forward": RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_expand_forward_v1",
-                                _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")),
+    "router_grads": (RowKernel(_sources.ALTUP_ROUTER_GRADS_V1, "altup_router_grads_v1",
+                               ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),),
+    "expand_forward": (RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_expand_forward_v1",
+                                 _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")),),
     # <N, the base row's type>
-    "magnitude_match_backward": RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_magnitude_match_backward_v1",
-                                          _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")),
+    "magnitude_match_backward": (RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_magnitude_match_backward_v1",
+                                           _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")),),
 }
+DEFAULT = {step: len(versions) for step, versions in KERNELS.items()}  # version numbers count from 1
 
-# The packed launches built so far, one per kernel, instantiation, device, block size and
+# The packed launches built so far, one per kernel version, instantiation, device, block size and
 # shared-memory size: a launch converts no argument and looks up no kernel after the first.
 _PACKED: dict[tuple, PackedLaunch] = {}
 
 
 def _packed_launch(key: tuple) -> PackedLaunch:
-    step, params, device, threads, shared_mem = key
+    step, version, params, device, threads, shared_mem = key
     with _device.on(device):
-        entry = KERNELS[step]
+        entry = KERNELS[step][version - 1]
         kernel = entry.source.kernel(entry.instance(params))
         if shared_mem > kernel.max_dynamic_shared_size_bytes:
             kernel.max_dynamic_shared_size_bytes = shared_mem
@@ -107,14 +120,25 @@ def _packed_launch(key: tuple) -> PackedLaunch:
     return launch
 
 
-def _launch(step: str, params: tuple, device: int, grid: int, threads: int, args, shared_mem: int = 0) -> None:
-    """One launch of KERNELS[step]<params> on torch's current stream of CUDA device `device` (its
-    raw handle: a capture of that stream captures the launch). The arguments are plain Python
-    numbers: the packed launch stores them by the kernel's argument types."""
-    key = (step, params, device, threads, shared_mem)
+def _launch(step: str, params: tuple, device: int, grid: int, threads: int, args, shared_mem: int = 0,
+            version: int | None = None) -> None:
+    """One launch of version `version` (default: DEFAULT[step]) of KERNELS[step]<params> on torch's
+    current stream of CUDA device `device` (its raw handle: a capture of that stream captures the
+    launch). The arguments are plain Python numbers: the packed launch stores them by the kernel's
+    argument types."""
+    key = (step, version or DEFAULT[step], params, device, threads, shared_mem)
     launch = _PACKED.get(key) or _packed_launch(key)
     with _device.on(device):  # the kernel lives in `device`'s context
         launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
+
+
+def check_version(step: str, version: int | None) -> int:
+    """`version`, or the step's default for None; a ValueError names the versions there are."""
+    if version is None:
+        return DEFAULT[step]
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= len(KERNELS[step]):
+        raise ValueError(f"{step}: version must be one of {list(range(1, len(KERNELS[step]) + 1))}, got {version!r}")
+    return version
 
 
 def _backward_blocks(device: int, tokens: int) -> int:
@@ -155,9 +179,16 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     return out
 
 
-def _routed_backward(step: str, active_idx: int, tensors: Sequence[torch.Tensor], coef_columns: int,
-                     router_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_scale: float,
-                     shared_mem: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _weight_sums_bytes(version: int, streams: int, hidden: int) -> int:
+    """The dynamic shared memory of a predict or correct backward version: its weight-gradient
+    sums, N * H floats row-major (v1) or 8 N planes of ROW_THREADS_MAX floats slice-major (v2,
+    kernels/altup_rows.cuh)."""
+    return 4 * streams * (hidden if version == 1 else 8 * _sources.ROW_THREADS_MAX)
+
+
+def _routed_backward(step: str, version: int | None, active_idx: int, tensors: Sequence[torch.Tensor],
+                     coef_columns: int, router_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches KERNELS[step] (the predict or correct backward) and sums its per-block partials.
 
     tensors: the kernel's pointer arguments before the partials, the first one [N, B, S, H]. A block's
@@ -166,23 +197,24 @@ def _routed_backward(step: str, active_idx: int, tensors: Sequence[torch.Tensor]
     like = tensors[0]
     streams, hidden, device = like.shape[0], like.shape[-1], like.get_device()
     tokens = like.numel() // (streams * hidden)
-    blocks = _backward_blocks(device, tokens)
+    blocks, threads = _backward_blocks(device, tokens), _row_threads(hidden)
+    version = check_version(step, version)
     partials, stride = _partials(device, blocks, streams * hidden + coef_columns)
-    _launch(step, (streams, active_idx), device, blocks, _row_threads(hidden),
-            (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden,
-             eps, router_scale),
-            shared_mem=shared_mem)
+    _launch(step, (streams, active_idx), device, blocks, threads,
+            (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden, eps, router_scale),
+            shared_mem=_weight_sums_bytes(version, streams, hidden), version=version)
     return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
 
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float, router_scale: float) -> PredictGradients:
-    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+                     active_idx: int, eps: float, router_scale: float, version: int | None = None) -> PredictGradients:
+    """`version`: of KERNELS["predict_backward"] (None: the default); every version gives the same bits."""
+    streams = hidden_states.shape[0]
     grad_h = torch.empty_like(hidden_states)
     grad_P, grad_R, grad_w = _routed_backward(
-        "predict_backward", active_idx,
+        "predict_backward", version, active_idx,
         (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
-        router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
+        router_weight, norm_weight, eps, router_scale)
     return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
 
 
@@ -198,13 +230,14 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
 
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float, router_scale: float) -> CorrectGradients:
-    streams, hidden = predictions.shape[0], predictions.shape[-1]
+                     active_idx: int, eps: float, router_scale: float, version: int | None = None) -> CorrectGradients:
+    """`version`: of KERNELS["correct_backward"] (None: the default); every version gives the same bits."""
+    streams = predictions.shape[0]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
     grad_Q, grad_R, grad_w = _routed_backward(
-        "correct_backward", active_idx,
+        "correct_backward", version, active_idx,
         (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
-        streams ** 2, router_weight, norm_weight, eps, router_scale, shared_mem=4 * streams * hidden)
+        streams ** 2, router_weight, norm_weight, eps, router_scale)
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
 

@@ -21,8 +21,9 @@ harness of altup_cupy.lab.bench, the GPU's sleep before each call outlasting the
 wall time: host clock from issue to completion (synchronised), median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
 the test log next to them as gemma3n_gpu_tests.log.
 
-Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward;
-the expansion's epilogue and the magnitude-match backward) alone at M = 4096 and 8192 tokens, GPU
+Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward,
+every version of the backwards as `<step>_v<version>`; the expansion's epilogue and the
+magnitude-match backward) alone at M = 256, 1024, 4096 and 8192 tokens, GPU
 time against a plain device copy of the bytes it must move (`vs_copy_floor`), in
 gemma3n_kernels.csv next to the training-step CSV.
 """
@@ -59,7 +60,7 @@ QUICK_SHAPES = [(1, 4096), (1, 256)]
 COLUMNS = ("what", "impl", "N", "H", "layers", "batch_size", "seq_len", "tokens", "gpu_median_us",
            "gpu_p10_us", "gpu_p90_us", "wall_median_us", "gpu", "git_sha", "date")
 PARTS = ("kernels", "altup_step", "model_step")
-KERNEL_TOKENS = (4096, 8192)
+KERNEL_TOKENS = (256, 1024, 4096, 8192)
 KERNEL_COLUMNS = ("kernel", "N", "H", "tokens", "compulsory_bytes", "gpu_median_us", "copy_floor_us",
                   "vs_copy_floor", "tbps", "gpu", "git_sha", "date")
 
@@ -214,9 +215,11 @@ def _kernel_cases(tokens: int):
         ("predict_forward", lambda: kernels.predict_forward(streams, P, R, w, active, eps, scale), 2 * n * row),
         ("correct_forward", lambda: kernels.correct_forward(streams, activated, Q, R, w, active, eps, scale),
          (2 * n + 1) * row),
-        ("predict_backward", lambda: kernels.predict_backward(grad, streams, P, R, w, active, eps, scale), 3 * n * row),
-        ("correct_backward", lambda: kernels.correct_backward(grad, streams, activated, Q, R, w, active, eps, scale),
-         (3 * n + 2) * row),
+        *((f"predict_backward_v{v}", lambda v=v: kernels.predict_backward(grad, streams, P, R, w, active, eps, scale, v),
+           3 * n * row) for v in range(1, len(kernels.KERNELS["predict_backward"]) + 1)),
+        *((f"correct_backward_v{v}", lambda v=v: kernels.correct_backward(grad, streams, activated, Q, R, w, active, eps,
+                                                                         scale, v),
+           (3 * n + 2) * row) for v in range(1, len(kernels.KERNELS["correct_backward"]) + 1)),
         ("expand_epilogue", lambda: kernels.expand_epilogue(
             device, n, m, h, x0.data_ptr(), projected.data_ptr(), expanded.data_ptr(), floor),
          (1 + 2 * (n - 1) + n) * row),

@@ -194,6 +194,34 @@ def test_backwards_are_bitwise_deterministic(seeds):
             assert torch.equal(first[name], again[name]), name
 
 
+@pytest.mark.parametrize("hidden,streams,active", [(2048, 4, 0), (2560, 4, 3), (2048, 3, 1), (64, 2, 1), (3072, 4, 2)])
+def test_every_backward_version_gives_the_first_versions_bits(seeds, hidden, streams, active):
+    """The predict and correct backward versions differ only in where the weight-gradient sums
+    live (gemma3n_kernels.KERNELS): the same products in the same order, so the same bits. Outputs
+    are poisoned (NaN-filled by the caching allocator's reuse) before each run."""
+    from altup_cupy import gemma3n_kernels as kernels
+
+    gen = torch.Generator("cuda").manual_seed(seeds())
+    tokens = 3 * 132 * kernels.BACKWARD_BLOCKS_PER_SM + 5  # several tokens a block, a ragged last round
+    grad, hs, act = _randn(gen, streams, 1, tokens, hidden), _randn(gen, streams, 1, tokens, hidden), \
+        _randn(gen, 1, tokens, hidden)
+    P, Q = _randn(gen, streams ** 2, streams, scale=0.5), _randn(gen, streams, streams, scale=0.5)
+    R, w = _randn(gen, streams, hidden, scale=hidden ** -0.5), 1.0 + _randn(gen, hidden, scale=0.1)
+    calls = {"predict_backward": lambda v: kernels.predict_backward(grad, hs, P, R, w, active, 1e-6, 1 / hidden, v),
+             "correct_backward": lambda v: kernels.correct_backward(grad, hs, act, Q, R, w, active, 1e-6, 1 / hidden,
+                                                                    v)}
+    for step, call in calls.items():
+        runs = []
+        for version in range(1, len(kernels.KERNELS[step]) + 1):
+            torch.cuda.empty_cache()
+            torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN bf16/fp32 in reused blocks
+            runs.append(call(version))
+        for version, run in enumerate(runs[1:], 2):
+            for name, first, got in zip(runs[0]._fields, runs[0], run):
+                assert bool(first.float().isfinite().all()), f"{step} v1 {name}: non-finite"
+                assert torch.equal(first, got), f"{step} v{version} {name} differs from v1"
+
+
 def _chain_leaves(seed):
     """x [2, 128, H], W_1..W_{N-1}, P, Q, R, w for `_chain_grads`: bf16 on the current device."""
     gen = torch.Generator("cuda").manual_seed(seed)

@@ -144,8 +144,21 @@ def test_every_gemma3n_kernel_instance_is_compiled():
         "magnitude_match_backward": [(n, t) for n in streams for t in ("float", "unsigned short")],
     }
     assert params.keys() == gemma3n_kernels.KERNELS.keys()
-    for step, entry in gemma3n_kernels.KERNELS.items():
-        assert entry.source in ALL_SOURCES, step
-        assert set(entry.arg_types) <= ARG_CODES.keys(), step
-        missing = [p for p in params[step] if entry.instance(p) not in entry.source.name_expressions]
-        assert not missing, f"{step}: {entry.source.filename} does not compile {missing}"
+    for step, versions in gemma3n_kernels.KERNELS.items():
+        assert gemma3n_kernels.DEFAULT[step] == len(versions), step
+        for version, entry in enumerate(versions, 1):
+            assert entry.source in ALL_SOURCES, (step, version)
+            assert set(entry.arg_types) <= ARG_CODES.keys(), (step, version)
+            missing = [p for p in params[step] if entry.instance(p) not in entry.source.name_expressions]
+            assert not missing, f"{step} v{version}: {entry.source.filename} does not compile {missing}"
+
+
+def test_a_gemma3n_kernel_version_outside_the_registry_is_refused():
+    from altup_cupy import gemma3n_kernels
+
+    versions = len(gemma3n_kernels.KERNELS["predict_backward"])
+    assert gemma3n_kernels.check_version("predict_backward", None) == versions
+    assert gemma3n_kernels.check_version("predict_backward", 1) == 1
+    for bad in (0, versions + 1, -1, True, 1.0, "2"):
+        with pytest.raises(ValueError, match="predict_backward: version must be one of"):
+            gemma3n_kernels.check_version("predict_backward", bad)

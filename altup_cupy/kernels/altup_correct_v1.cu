@@ -7,7 +7,9 @@
 // ONE block reduction gives <x, x>, A_n = sum_d R_nd w_d x_d, <g_i, x> and <g_i, pred_a>:
 //   gk_i = <g_i, x> - <g_i, pred_a>;  gd = sum_i k_i g_i;  grad_pred_i = g_i - [i == a] gd
 //   grad_x = gd + route_backward(x, Q^T gk)
-//   partial layout per block: S [N, H] (S_nd = sum_t r gz_n x_d) | dQ [N*N] (sum_t gk_i m_l);
+//   partial layout per block: S [N, H] (S_nd = sum_t r gz_n x_d) | dQ [N*N] (sum_t gk_i m_l),
+//   S accumulated in shared memory in the layout Sums (the backward's versions: as in
+//   altup_predict_v1.cu);
 //   altup_router_grads_v1 sums the partials in block order and finishes dR = s w S,
 //   dw = s sum_n R_n S_n (s: the router's input scale)
 // Only the active prediction row is read in the backward: the other rows do not reach a gradient.
@@ -55,8 +57,8 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
     }
 }
 
-template <int N, int A>
-__global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward_v1(
+template <int N, int A, typename Sums>
+__global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward(
     const unsigned short* __restrict__ grad_corrected,    // [N, M, H] bf16
     const unsigned short* __restrict__ predictions,       // [N, M, H] bf16 (row A read)
     const unsigned short* __restrict__ activated,         // [M, H] bf16
@@ -76,8 +78,8 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward_v1(
     const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
     const long long plane = tokens * hidden;
 
-    extern __shared__ float S[];  // N * H floats (altup_rows.cuh)
-    clear_weight_sums<N>(S, slice, hidden);
+    extern __shared__ float S[];  // in the layout Sums (altup_rows.cuh)
+    clear_weight_sums<N, Sums>(S, slice, hidden);
     float dQ = 0.0f;  // thread e < N^2 owns dQ entry e = N*i + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
         float g[N][kVec], x[kVec], pred_a[kVec];
@@ -130,7 +132,7 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward_v1(
 #pragma unroll
         for (int e = 0; e < kVec; ++e) gx[e] += gd[e];
         slice.store(grad_activated + t * hidden, gx);
-        accumulate_weight_sums<N>(S, slice, hidden, route.r, gz, x);
+        accumulate_weight_sums<N, Sums>(S, slice, hidden, route.r, gz, x);
     }
-    store_weight_partials<N, N * N>(S, dQ, slice, partials, partial_stride, hidden);
+    store_weight_partials<N, N * N, Sums>(S, dQ, slice, partials, partial_stride, hidden);
 }

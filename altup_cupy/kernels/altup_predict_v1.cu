@@ -9,7 +9,8 @@
 // dot product the step needs (<h_a, h_a>, A_n = sum_d R_nd w_d h_a,d, G_ij = <g_i, h_j>):
 //   dC = G;  gm_p = P^T dC;  grad_h_j = g_j + sum_i C_ij g_i + [j == a] route_backward(h_a, gm_p)
 //   partial layout per block: S [N, H] (S_nd = sum_t r gz_n h_a,d) | dP [N*N*N] (sum_t G_ij m_l)
-//   (S accumulates in N * H floats of dynamic shared memory)
+//   (S accumulates in dynamic shared memory, laid out by the template argument Sums: the
+//   backward's version 1 is RowMajorSums, version 2 SliceMajorSums, altup_rows.cuh)
 // and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
 // active index A is a template argument so that every row array is indexed by constants
 // (registers, no local memory).
@@ -57,8 +58,8 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     }
 }
 
-template <int N, int A>
-__global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward_v1(
+template <int N, int A, typename Sums>
+__global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
     const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
     const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
@@ -77,8 +78,8 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward_v1(
     const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
     const long long plane = tokens * hidden;
 
-    extern __shared__ float S[];  // N * H floats (altup_rows.cuh)
-    clear_weight_sums<N>(S, slice, hidden);
+    extern __shared__ float S[];  // in the layout Sums (altup_rows.cuh)
+    clear_weight_sums<N, Sums>(S, slice, hidden);
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
         // Registers bound the blocks per SM, so a thread never holds all 2N rows: the N rows of h
@@ -149,7 +150,7 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward_v1(
             }
             slice.store(grad_hidden_states + j * plane + t * hidden, out);
         }
-        accumulate_weight_sums<N>(S, slice, hidden, route.r, gz, h[A]);
+        accumulate_weight_sums<N, Sums>(S, slice, hidden, route.r, gz, h[A]);
     }
-    store_weight_partials<N, N * N * N>(S, dP, slice, partials, partial_stride, hidden);
+    store_weight_partials<N, N * N * N, Sums>(S, dP, slice, partials, partial_stride, hidden);
 }

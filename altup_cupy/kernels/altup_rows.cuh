@@ -161,20 +161,42 @@ __device__ __forceinline__ void load_small_matrix(const unsigned short* src, flo
 }
 
 // The backwards' router weight-gradient sums S [N, H] (S_nd = sum over the block's tokens of
-// r gz_n x_d, x the routed row) live in N * H floats of dynamic shared memory: in registers they
-// would spill at N = 4. Each thread touches only its own slice, so no barrier guards them.
-template <int N>
+// r gz_n x_d, x the routed row) live in dynamic shared memory: in registers they would spill at
+// N = 4. Each thread touches only its own slice, so no barrier guards them. Two layouts, one per
+// kernel version; both add the same products in the same order, so their results are bitwise equal.
+//
+// v1, row-major: S_nd at n * H + d, N * H floats. A thread's 8 elements are adjacent, so the 32
+// lanes of a warp, reading element e, touch words 8 apart: 4 of the 32 banks, 8 lanes per bank,
+// 8 shared-memory wavefronts per access instead of 1.
+struct RowMajorSums {
+    __device__ __forceinline__ static float& at(float* S, const int n, const int e, const RowSlice& slice,
+                                                const int hidden) {
+        return S[n * hidden + slice.d0 + e];
+    }
+};
+
+// v2, slice-major: element e of stream n of thread t at (8 n + e) * kRowThreadsMax + t, 8 N
+// kRowThreadsMax floats (48 KiB at N = 4). Lanes read consecutive words: no bank conflict. The
+// plane stride is a constant, not blockDim.x, so every access is one base register plus an
+// immediate offset (with blockDim.x, <4, 0> of the correct backward spilled at 128 registers).
+struct SliceMajorSums {
+    __device__ __forceinline__ static float& at(float* S, const int n, const int e, const RowSlice&, const int) {
+        return S[(n * kVec + e) * kRowThreadsMax + threadIdx.x];
+    }
+};
+
+template <int N, typename Sums>
 __device__ __forceinline__ void clear_weight_sums(float* S, const RowSlice& slice, const int hidden) {
     if (!slice.active) return;
 #pragma unroll
     for (int n = 0; n < N; ++n) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) S[n * hidden + slice.d0 + e] = 0.0f;
+        for (int e = 0; e < kVec; ++e) Sums::at(S, n, e, slice, hidden) = 0.0f;
     }
 }
 
 // One token's share: S_n += r gz_n x.
-template <int N>
+template <int N, typename Sums>
 __device__ __forceinline__ void accumulate_weight_sums(float* S, const RowSlice& slice, const int hidden,
                                                        const float r, const float (&gz)[N],
                                                        const float (&x)[kVec]) {
@@ -184,16 +206,16 @@ __device__ __forceinline__ void accumulate_weight_sums(float* S, const RowSlice&
         const float scale = r * gz[n];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-            float& s = S[n * hidden + slice.d0 + e];
+            float& s = Sums::at(S, n, e, slice, hidden);
             s = fmaf(scale, x[e], s);
         }
     }
 }
 
-// The block's partial row: S, then COEFS coefficient-gradient entries (thread e < COEFS holds
-// entry e in coef_grad).
-template <int N, int COEFS>
-__device__ __forceinline__ void store_weight_partials(const float* S, const float coef_grad, const RowSlice& slice,
+// The block's partial row: S (row-major, whatever the layout in shared memory), then COEFS
+// coefficient-gradient entries (thread e < COEFS holds entry e in coef_grad).
+template <int N, int COEFS, typename Sums>
+__device__ __forceinline__ void store_weight_partials(float* S, const float coef_grad, const RowSlice& slice,
                                                       float* partials, const long long partial_stride,
                                                       const int hidden) {
     float* partial = partials + blockIdx.x * partial_stride;
@@ -201,7 +223,7 @@ __device__ __forceinline__ void store_weight_partials(const float* S, const floa
     for (int n = 0; n < N; ++n) {
         float row[kVec];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) row[e] = slice.active ? S[n * hidden + slice.d0 + e] : 0.0f;
+        for (int e = 0; e < kVec; ++e) row[e] = slice.active ? Sums::at(S, n, e, slice, hidden) : 0.0f;
         slice.store(partial + static_cast<long long>(n) * hidden, row);
     }
     if (threadIdx.x < COEFS) partial[static_cast<long long>(N) * hidden + threadIdx.x] = coef_grad;
