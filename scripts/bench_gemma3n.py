@@ -4,6 +4,8 @@
     python scripts/bench_gemma3n.py --quick    # a short run: fewer shapes, repetitions and tests
     python scripts/bench_gemma3n.py --no-tests # speed only
     python scripts/bench_gemma3n.py --no-tests --parts kernels   # only the row kernels
+    ncu --clock-control none -k regex:altup_predict_backward -s 1 \
+        python scripts/bench_gemma3n.py --profile predict_backward_v2   # one kernel for a profiler
 
 Speed: the AltUp part of one training step (forward + backward) at Gemma 3n E2B's sizes (N = 4,
 H = 2048, 30 layers): the expansion, every layer's predict and correct (the layer proper between
@@ -265,10 +267,22 @@ def main() -> int:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="what to time (default: all)")
     parser.add_argument("--out", type=Path, default=None,
                         help="the CSV (default: results/<gpu name>/gemma3n_training_step.csv)")
+    parser.add_argument("--profile", metavar="KERNEL", default=None,
+                        help="no timing: run this row kernel (a `kernel` of gemma3n_kernels.csv) twice at "
+                             "--profile-tokens, for a profiler: ncu --clock-control none -k regex:<name> -s 1")
+    parser.add_argument("--profile-tokens", type=int, default=KERNEL_TOKENS[-1])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.profile is not None:
+        calls = {name: call for name, call, _ in _kernel_cases(args.profile_tokens)}
+        if args.profile not in calls:
+            parser.error(f"--profile: one of {', '.join(calls)}")
+        for _ in range(2):  # the first compiles and warms up
+            calls[args.profile]()
+        torch.cuda.synchronize()
+        return 0
     if args.out is None:
         args.out = results_dir(torch.cuda.get_device_name()) / "gemma3n_training_step.csv"
     import transformers
