@@ -191,6 +191,10 @@ ALTUP_MAGNITUDE_MATCH_V1 = KernelSource(
     + tuple(f"altup_magnitude_match_backward_v1<{n}, {t}>" for n in SUPPORTED_STREAMS
             for t in ("float", "unsigned short")),
     min_arch=80, defines=_ROWS)
+ALTUP_MAGNITUDE_MATCH_BACKWARD_V2 = KernelSource(
+    "altup_magnitude_match_backward_v2.cu",
+    tuple(f"altup_magnitude_match_backward_v2<{n}, {t}>" for n in SUPPORTED_STREAMS for t in ("float", "unsigned short")),
+    min_arch=80, defines=_ROWS)
 ALTUP_ROUTER_GRADS_V1 = KernelSource(
     "altup_router_grads_v1.cu", tuple(f"altup_router_grads_v1<{n}>" for n in SUPPORTED_STREAMS), min_arch=80)
 
@@ -206,5 +210,6 @@ ALL_SOURCES = (
     ALTUP_PREDICT_V1,
     ALTUP_CORRECT_V1,
     ALTUP_MAGNITUDE_MATCH_V1,
+    ALTUP_MAGNITUDE_MATCH_BACKWARD_V2,
     ALTUP_ROUTER_GRADS_V1,
 )

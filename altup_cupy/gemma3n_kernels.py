@@ -98,9 +98,13 @@ KERNELS = {
                                ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),),
     "expand_forward": (RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_expand_forward_v1",
                                  _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")),),
-    # <N, the base row's type>
-    "magnitude_match_backward": (RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_magnitude_match_backward_v1",
-                                           _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")),),
+    # <N, the base row's type>: v1 every row unpacked in registers (2 blocks an SM at H = 2048), v2
+    # the bf16 rows packed (3 blocks)
+    "magnitude_match_backward": tuple(RowKernel(source, template, _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32"))
+                                      for source, template in (
+                                          (_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_magnitude_match_backward_v1"),
+                                          (_sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V2,
+                                           "altup_magnitude_match_backward_v2"))),
 }
 DEFAULT = {step: len(versions) for step, versions in KERNELS.items()}  # version numbers count from 1
 
@@ -285,15 +289,19 @@ def expand_epilogue(device: int, streams: int, tokens: int, hidden: int, x0: int
 
 def magnitude_match_backward(device: int, streams: int, tokens: int, hidden: int, grad: int, grad_stream_stride: int,
                              grad_scale: float, base: int, projected: int, proj_strides: tuple[int, int],
-                             grad_projected: int, grad_base: int, base_grad_fp32: bool, floor: float) -> None:
+                             grad_projected: int, grad_base: int, base_grad_fp32: bool, floor: float,
+                             version: int | None = None) -> None:
     """The magnitude match's backward (kernels/altup_magnitude_match_v1.cu) on addresses: g_k at
     grad + k * grad_stream_stride (bf16 rows, scaled by grad_scale), the base rows and the fp32
     projections, element (k, t, d) of the projections and their gradient (bf16) at
-    k * proj_strides[0] + t * proj_strides[1] + d; the base rows' gradient in fp32 or bf16."""
+    k * proj_strides[0] + t * proj_strides[1] + d; the base rows' gradient in fp32 or bf16.
+    `version`: of KERNELS["magnitude_match_backward"] (None: the default); every version gives the
+    same bits."""
     base_type = "float" if base_grad_fp32 else "unsigned short"
     _launch("magnitude_match_backward", (streams, base_type), device, tokens, _row_threads(hidden),
             (grad, base, projected, grad_projected, grad_base, grad_stream_stride, grad_scale,
-             proj_strides[0], proj_strides[1], hidden, floor))
+             proj_strides[0], proj_strides[1], hidden, floor),
+            version=check_version("magnitude_match_backward", version))
 
 
 def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor], projected, floor: float):

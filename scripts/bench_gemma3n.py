@@ -23,11 +23,11 @@ harness of altup_cupy.lab.bench, the GPU's sleep before each call outlasting the
 wall time: host clock from issue to completion (synchronised), median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
 the test log next to them as gemma3n_gpu_tests.log.
 
-Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward,
-every version of the backwards as `<step>_v<version>`; the expansion's epilogue and the
-magnitude-match backward) alone at M = 256, 1024, 4096 and 8192 tokens, GPU
-time against a plain device copy of the bytes it must move (`vs_copy_floor`), in
-gemma3n_kernels.csv next to the training-step CSV.
+Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward;
+the expansion's epilogue and the magnitude-match backward; every version of a kernel that has
+several, as `<step>_v<version>`) alone at M = 256, 1024, 4096 and 8192 tokens, GPU time against a
+plain device copy of the bytes it must move (`vs_copy_floor`), in gemma3n_kernels.csv next to the
+training-step CSV.
 """
 
 from __future__ import annotations
@@ -225,10 +225,10 @@ def _kernel_cases(tokens: int):
         ("expand_epilogue", lambda: kernels.expand_epilogue(
             device, n, m, h, x0.data_ptr(), projected.data_ptr(), expanded.data_ptr(), floor),
          (1 + 2 * (n - 1) + n) * row),
-        ("magnitude_match_backward", lambda: kernels.magnitude_match_backward(
+        *((f"magnitude_match_backward_v{v}", lambda v=v: kernels.magnitude_match_backward(
             device, n, m, h, grad.data_ptr(), m * h, 1.0, x0.data_ptr(), projected.data_ptr(), (h, (n - 1) * h),
-            grad_projected.data_ptr(), grad_base.data_ptr(), True, floor),
-         (n + 1 + 2 * (n - 1) + (n - 1) + 2) * row),
+            grad_projected.data_ptr(), grad_base.data_ptr(), True, floor, v),
+           (n + 1 + 2 * (n - 1) + (n - 1) + 2) * row) for v in range(1, len(kernels.KERNELS["magnitude_match_backward"]) + 1)),
     ]
 
 

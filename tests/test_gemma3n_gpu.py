@@ -222,6 +222,39 @@ def test_every_backward_version_gives_the_first_versions_bits(seeds, hidden, str
                 assert torch.equal(first, got), f"{step} v{version} {name} differs from v1"
 
 
+@pytest.mark.parametrize("hidden,streams", [(2048, 4), (2560, 3), (64, 2), (3072, 4)])
+@pytest.mark.parametrize("step", ("expansion", "collapse"))
+def test_every_magnitude_match_backward_version_gives_the_first_versions_bits(seeds, hidden, streams, step):
+    """The expansion's form (N upstream rows, fp32 base gradient) and the collapse's (one upstream
+    row for every stream, scaled by 1 / N, bf16 base gradient), on projections with a row below
+    the floor (the clamp's branch) and a zero base row; outputs NaN-filled before each run."""
+    from altup_cupy import gemma3n_kernels as kernels
+
+    gen = torch.Generator("cuda").manual_seed(seeds())
+    tokens, floor = 1031, 1e-5
+    expansion = step == "expansion"
+    grad = _randn(gen, streams if expansion else 1, tokens, hidden)
+    base = _randn(gen, tokens, hidden)
+    base[7] = 0
+    projected = torch.randn(tokens, streams - 1, hidden, generator=gen, device="cuda")
+    projected[3, 0] *= 1e-4  # mean square below the floor
+    runs = []
+    for version in range(1, len(kernels.KERNELS["magnitude_match_backward"]) + 1):
+        grad_projected = torch.full((tokens, streams - 1, hidden), float("nan"), device="cuda").bfloat16()
+        grad_base = torch.full((tokens, hidden), float("nan"), device="cuda",
+                               dtype=torch.float32 if expansion else torch.bfloat16)
+        kernels.magnitude_match_backward(
+            grad.get_device(), streams, tokens, hidden, grad.data_ptr(), tokens * hidden if expansion else 0,
+            1.0 if expansion else 1 / streams, base.data_ptr(), projected.data_ptr(), (hidden, (streams - 1) * hidden),
+            grad_projected.data_ptr(), grad_base.data_ptr(), expansion, floor, version)
+        runs.append((grad_projected, grad_base))
+    for name, first in zip(("grad_projected", "grad_base"), runs[0]):
+        assert bool(first.float().isfinite().all()), f"v1 {name}: non-finite"
+    for version, run in enumerate(runs[1:], 2):
+        for name, first, got in zip(("grad_projected", "grad_base"), runs[0], run):
+            assert torch.equal(first, got), f"v{version} {name} differs from v1"
+
+
 def _chain_leaves(seed):
     """x [2, 128, H], W_1..W_{N-1}, P, Q, R, w for `_chain_grads`: bf16 on the current device."""
     gen = torch.Generator("cuda").manual_seed(seed)

@@ -51,6 +51,10 @@ struct RowSlice {
             zeros(out);
         }
     }
+    // The slice still packed (8 bf16 in 4 registers, where `load` takes 8), zeros past the row.
+    __device__ __forceinline__ uint4 load_packed(const unsigned short* row) const {
+        return active ? load_streaming(reinterpret_cast<const uint4*>(row + d0)) : make_uint4(0, 0, 0, 0);
+    }
     // Weights every block reads: through the read-only cache, kept in L1/L2.
     __device__ __forceinline__ void load_reused(const unsigned short* row, float (&out)[kVec]) const {
         if (active) {
