@@ -113,6 +113,14 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_sm(index: int) -> int:
+    """Bytes of shared memory one SM of device `index` offers its resident blocks together."""
+    from cupy.cuda import runtime
+
+    return runtime.getDeviceProperties(index)["sharedMemPerMultiprocessor"]
+
+
 def check_supported(index: int) -> int:
     """The compute capability of device `index` (90 for 9.0), or the named error of `facts`."""
     return facts(index)[0]

@@ -28,6 +28,10 @@ SCRATCH_ALIGNMENT = 256
 # Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
 # registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
+# What a resident block of the predict or correct backward takes of an SM's shared memory besides
+# its weight-gradient sums: its static arrays (under 3 KiB at N = 4) and the 1 KiB the driver
+# reserves per block.
+ROUTED_BACKWARD_OTHER_SHARED = 4 * 1024
 
 
 class PredictGradients(NamedTuple):
@@ -83,7 +87,8 @@ def _routed_backward_versions(source: KernelSource, template: str, arg_types: tu
     return tuple(RowKernel(source, template, arg_types, (sums,)) for sums in _sources.ROUTED_BACKWARD_SUMS)
 
 
-# Each step's versions, oldest first; the last is the one the operators use (`DEFAULT`).
+# Each step's versions, oldest first; the last is the one the operators use (`DEFAULT`), except
+# where `_routed_default` picks an older predict or correct backward for the GPU at hand.
 KERNELS = {
     # <N, active index>
     "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 5 + _FORWARD_TAIL),),
@@ -183,6 +188,22 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     return out
 
 
+_ROUTED_DEFAULTS: dict[tuple[int, int, int], int] = {}
+
+
+def _routed_default(device: int, streams: int, hidden: int) -> int:
+    """The predict and correct backward's default version on `device`: the newest whose shared
+    memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. v2's slice-major sums take 48 KiB at
+    N = 4, so an SM of 100 KiB (sm_86, sm_89) holds one block of v2 where it holds two of v1."""
+    key = (device, streams, hidden)
+    if key not in _ROUTED_DEFAULTS:
+        available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
+        fitting = [v for v in range(1, len(_sources.ROUTED_BACKWARD_SUMS) + 1)
+                   if _weight_sums_bytes(v, streams, hidden) <= available]
+        _ROUTED_DEFAULTS[key] = max(fitting, default=1)
+    return _ROUTED_DEFAULTS[key]
+
+
 def _weight_sums_bytes(version: int, streams: int, hidden: int) -> int:
     """The dynamic shared memory of a predict or correct backward version: its weight-gradient
     sums, N * H floats row-major (v1) or 8 N planes of ROW_THREADS_MAX floats slice-major (v2,
@@ -202,7 +223,7 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
     streams, hidden, device = like.shape[0], like.shape[-1], like.get_device()
     tokens = like.numel() // (streams * hidden)
     blocks, threads = _backward_blocks(device, tokens), _row_threads(hidden)
-    version = check_version(step, version)
+    version = _routed_default(device, streams, hidden) if version is None else check_version(step, version)
     partials, stride = _partials(device, blocks, streams * hidden + coef_columns)
     _launch(step, (streams, active_idx), device, blocks, threads,
             (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden, eps, router_scale),
@@ -212,7 +233,7 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
                      active_idx: int, eps: float, router_scale: float, version: int | None = None) -> PredictGradients:
-    """`version`: of KERNELS["predict_backward"] (None: the default); every version gives the same bits."""
+    """`version`: of KERNELS["predict_backward"] (None: `_routed_default`); every version gives the same bits."""
     streams = hidden_states.shape[0]
     grad_h = torch.empty_like(hidden_states)
     grad_P, grad_R, grad_w = _routed_backward(
@@ -235,7 +256,7 @@ def correct_forward(predictions, activated, correction_coefs, router_weight, nor
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
                      active_idx: int, eps: float, router_scale: float, version: int | None = None) -> CorrectGradients:
-    """`version`: of KERNELS["correct_backward"] (None: the default); every version gives the same bits."""
+    """`version`: of KERNELS["correct_backward"] (None: `_routed_default`); every version gives the same bits."""
     streams = predictions.shape[0]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
     grad_Q, grad_R, grad_w = _routed_backward(
