@@ -14,6 +14,7 @@
 // their gradients share one layout: element (k, t, d) at k * proj_stride_k + t * proj_stride_t + d.
 #include "common.cuh"
 #include "altup_rows.cuh"
+#include "magnitude_match_grads.cuh"
 
 template <int N>
 __global__ void __launch_bounds__(kRowThreadsMax) altup_expand_forward_v1(
@@ -83,15 +84,11 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_magnitude_match_backward
     float base_coef = 0.0f;
 #pragma unroll
     for (int k = 0; k < N - 1; ++k) {
-        const float mean_square = sums[1 + k] * inv_h;
-        const float norm = sqrtf(fmaxf(mean_square, floor));
-        const float dot = grad_scale * sums[N + k];
-        const float direct = grad_scale * target / norm;
-        const float through_norm = mean_square >= floor ? target * dot * inv_h / (norm * norm * norm) : 0.0f;
-        base_coef += dot / norm;
+        const MatchGradScalars c(sums[1 + k], sums[N + k], target, grad_scale, inv_h, floor);
+        base_coef += c.base_term;
         float out[kVec];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) out[e] = direct * g[k][e] - through_norm * p[k][e];
+        for (int e = 0; e < kVec; ++e) out[e] = c.direct * g[k][e] - c.through_norm * p[k][e];
         slice.store(grad_projected + k * proj_stride_k + t * proj_stride_t, out);
     }
     // b / t is finite only for t > 0; a zero base row has no direction to scale (and no gradient
