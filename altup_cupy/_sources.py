@@ -166,24 +166,30 @@ ROW_THREADS_MAX = 384
 _ROWS = {"ROW_THREADS_MAX": ROW_THREADS_MAX}
 
 
-# The layouts of the predict and correct backwards' weight-gradient sums in shared memory, one per
-# version of those kernels (kernels/altup_rows.cuh): version v takes ROUTED_BACKWARD_SUMS[v - 1].
-ROUTED_BACKWARD_SUMS = ("RowMajorSums", "SliceMajorSums")
+# The versions of the predict and correct backward are template arguments after <N, active index>:
+# where the weight-gradient sums live in shared memory (kernels/altup_rows.cuh) and, for the
+# predict backward, where a token's rows live (kernels/altup_predict_v1.cu). Version v is entry
+# v - 1, oldest first.
+PREDICT_BACKWARD_VERSIONS = (("RowMajorSums", "GradRowsReloaded"), ("SliceMajorSums", "GradRowsReloaded"),
+                             ("SliceMajorSums", "PackedRows"))
+CORRECT_BACKWARD_VERSIONS = (("RowMajorSums",), ("SliceMajorSums",))
 
 
 def _per_active(kernel: str, *fixed: str) -> tuple[str, ...]:
     return tuple(f"{kernel}<{', '.join((str(n), str(a), *fixed))}>" for n in SUPPORTED_STREAMS for a in range(n))
 
 
-def _routed_backwards(kernel: str) -> tuple[str, ...]:
-    return tuple(name for sums in ROUTED_BACKWARD_SUMS for name in _per_active(kernel, sums))
+def _versioned(kernel: str, versions: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    return tuple(name for fixed in versions for name in _per_active(kernel, *fixed))
 
 
 ALTUP_PREDICT_V1 = KernelSource(
-    "altup_predict_v1.cu", _per_active("altup_predict_forward_v1") + _routed_backwards("altup_predict_backward"),
+    "altup_predict_v1.cu",
+    _per_active("altup_predict_forward_v1") + _versioned("altup_predict_backward", PREDICT_BACKWARD_VERSIONS),
     min_arch=80, defines=_ROWS)
 ALTUP_CORRECT_V1 = KernelSource(
-    "altup_correct_v1.cu", _per_active("altup_correct_forward_v1") + _routed_backwards("altup_correct_backward"),
+    "altup_correct_v1.cu",
+    _per_active("altup_correct_forward_v1") + _versioned("altup_correct_backward", CORRECT_BACKWARD_VERSIONS),
     min_arch=80, defines=_ROWS)
 ALTUP_MAGNITUDE_MATCH_V1 = KernelSource(
     "altup_magnitude_match_v1.cu",

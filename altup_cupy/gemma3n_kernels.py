@@ -82,9 +82,10 @@ class RowKernel(NamedTuple):
         return f"{self.template}<{', '.join((*map(str, params), *self.fixed))}>"
 
 
-def _routed_backward_versions(source: KernelSource, template: str, arg_types: tuple[str, ...]):
-    """The predict or correct backward's versions: one per weight-sum layout (`_sources`)."""
-    return tuple(RowKernel(source, template, arg_types, (sums,)) for sums in _sources.ROUTED_BACKWARD_SUMS)
+def _routed_backward_versions(source: KernelSource, template: str, arg_types: tuple[str, ...],
+                              versions: tuple[tuple[str, ...], ...]):
+    """The predict or correct backward's versions: one per tuple of fixed template arguments (`_sources`)."""
+    return tuple(RowKernel(source, template, arg_types, fixed) for fixed in versions)
 
 
 # Each step's versions, oldest first; the last is the one the operators use (`DEFAULT`), except
@@ -92,12 +93,14 @@ def _routed_backward_versions(source: KernelSource, template: str, arg_types: tu
 KERNELS = {
     # <N, active index>
     "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 5 + _FORWARD_TAIL),),
-    # <N, active index, weight-sum layout>: v1 row-major sums (8-way bank conflicts), v2 slice-major
+    # <N, active index, weight-sum layout, row storage>: v1 row-major sums (8-way bank conflicts),
+    # v2 slice-major, v3 slice-major with the token's rows packed in registers (g read once)
     "predict_backward": _routed_backward_versions(_sources.ALTUP_PREDICT_V1, "altup_predict_backward",
-                                                  _PTR * 7 + _BACKWARD_TAIL),
+                                                  _PTR * 7 + _BACKWARD_TAIL, _sources.PREDICT_BACKWARD_VERSIONS),
     "correct_forward": (RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 6 + _FORWARD_TAIL),),
+    # <N, active index, weight-sum layout>: v1 row-major, v2 slice-major
     "correct_backward": _routed_backward_versions(_sources.ALTUP_CORRECT_V1, "altup_correct_backward",
-                                                  _PTR * 9 + _BACKWARD_TAIL),
+                                                  _PTR * 9 + _BACKWARD_TAIL, _sources.CORRECT_BACKWARD_VERSIONS),
     # <N>
     "router_grads": (RowKernel(_sources.ALTUP_ROUTER_GRADS_V1, "altup_router_grads_v1",
                                ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),),
@@ -191,24 +194,26 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
 _ROUTED_DEFAULTS: dict[tuple[int, int, int], int] = {}
 
 
-def _routed_default(device: int, streams: int, hidden: int) -> int:
-    """The predict and correct backward's default version on `device`: the newest whose shared
-    memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. v2's slice-major sums take 48 KiB at
-    N = 4, so an SM of 100 KiB (sm_86, sm_89) holds one block of v2 where it holds two of v1."""
-    key = (device, streams, hidden)
+_ROUTED_DEFAULTS: dict[tuple[str, int, int, int], int] = {}
+
+
+def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
+    """The predict or correct backward's default version on `device`: the newest whose shared
+    memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. Slice-major sums take 48 KiB at N = 4,
+    so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
+    key = (step, device, streams, hidden)
     if key not in _ROUTED_DEFAULTS:
         available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
-        fitting = [v for v in range(1, len(_sources.ROUTED_BACKWARD_SUMS) + 1)
-                   if _weight_sums_bytes(v, streams, hidden) <= available]
+        fitting = [v for v, entry in enumerate(KERNELS[step], 1) if _weight_sums_bytes(entry, streams, hidden) <= available]
         _ROUTED_DEFAULTS[key] = max(fitting, default=1)
     return _ROUTED_DEFAULTS[key]
 
 
-def _weight_sums_bytes(version: int, streams: int, hidden: int) -> int:
+def _weight_sums_bytes(entry: RowKernel, streams: int, hidden: int) -> int:
     """The dynamic shared memory of a predict or correct backward version: its weight-gradient
-    sums, N * H floats row-major (v1) or 8 N planes of ROW_THREADS_MAX floats slice-major (v2,
-    kernels/altup_rows.cuh)."""
-    return 4 * streams * (hidden if version == 1 else 8 * _sources.ROW_THREADS_MAX)
+    sums (its first fixed template argument), N * H floats row-major or 8 N planes of
+    ROW_THREADS_MAX floats slice-major (kernels/altup_rows.cuh)."""
+    return 4 * streams * (hidden if entry.fixed[0] == "RowMajorSums" else 8 * _sources.ROW_THREADS_MAX)
 
 
 def _routed_backward(step: str, version: int | None, active_idx: int, tensors: Sequence[torch.Tensor],
@@ -223,11 +228,11 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
     streams, hidden, device = like.shape[0], like.shape[-1], like.get_device()
     tokens = like.numel() // (streams * hidden)
     blocks, threads = _backward_blocks(device, tokens), _row_threads(hidden)
-    version = _routed_default(device, streams, hidden) if version is None else check_version(step, version)
+    version = _routed_default(step, device, streams, hidden) if version is None else check_version(step, version)
     partials, stride = _partials(device, blocks, streams * hidden + coef_columns)
     _launch(step, (streams, active_idx), device, blocks, threads,
             (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden, eps, router_scale),
-            shared_mem=_weight_sums_bytes(version, streams, hidden), version=version)
+            shared_mem=_weight_sums_bytes(KERNELS[step][version - 1], streams, hidden), version=version)
     return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
 
 

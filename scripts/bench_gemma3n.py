@@ -199,7 +199,9 @@ def bench_model_step(reps, warmup, info, batch=4, seq=1024):
 
 def _kernel_cases(tokens: int):
     """(kernel, call, compulsory bytes) for each row kernel at N = STREAMS, H = HIDDEN: the rows it
-    must read and write once (bf16 2 bytes, fp32 projections 4; the small weights left out)."""
+    must read and write once (bf16 2 bytes, fp32 projections 4; the small weights left out). The
+    correct backward reads one prediction row, the active one: g (N rows), x and pred_a in, the
+    N + 1 gradients out, 2N + 3 rows."""
     n, h, m = STREAMS, HIDDEN, tokens
     eps, scale, floor, active = 1e-6, 1.0 / HIDDEN, 1e-5, 0
     device = torch.cuda.current_device()
@@ -221,7 +223,7 @@ def _kernel_cases(tokens: int):
            3 * n * row) for v in range(1, len(kernels.KERNELS["predict_backward"]) + 1)),
         *((f"correct_backward_v{v}", lambda v=v: kernels.correct_backward(grad, streams, activated, Q, R, w, active, eps,
                                                                          scale, v),
-           (3 * n + 2) * row) for v in range(1, len(kernels.KERNELS["correct_backward"]) + 1)),
+           (2 * n + 3) * row) for v in range(1, len(kernels.KERNELS["correct_backward"]) + 1)),
         ("expand_epilogue", lambda: kernels.expand_epilogue(
             device, n, m, h, x0.data_ptr(), projected.data_ptr(), expanded.data_ptr(), floor),
          (1 + 2 * (n - 1) + n) * row),

@@ -165,14 +165,16 @@ def test_a_gemma3n_kernel_version_outside_the_registry_is_refused():
 
 
 @pytest.mark.parametrize("shared_per_sm, streams, expected", [
-    (228 * 1024, 4, 2),  # sm_90: two blocks of v2 (48 KiB of sums each) fit
-    (164 * 1024, 4, 2),  # sm_80
-    (100 * 1024, 4, 1),  # sm_86, sm_89: v2 would leave one block an SM, v1 keeps two
-    (100 * 1024, 3, 2),  # v2's sums take 36 KiB at N = 3
+    (228 * 1024, 4, "newest"),  # sm_90: two blocks of slice-major sums (48 KiB each) fit
+    (164 * 1024, 4, "newest"),  # sm_80
+    (100 * 1024, 4, 1),  # sm_86, sm_89: slice-major would leave one block an SM, v1 keeps two
+    (100 * 1024, 3, "newest"),  # slice-major sums take 36 KiB at N = 3
 ])
-def test_the_routed_backward_default_keeps_two_blocks_an_sm(monkeypatch, shared_per_sm, streams, expected):
+@pytest.mark.parametrize("step", ("predict_backward", "correct_backward"))
+def test_the_routed_backward_default_keeps_two_blocks_an_sm(monkeypatch, step, shared_per_sm, streams, expected):
     from altup_cupy import _device, gemma3n_kernels
 
     monkeypatch.setattr(_device, "shared_memory_per_sm", lambda index: shared_per_sm)
     monkeypatch.setattr(gemma3n_kernels, "_ROUTED_DEFAULTS", {})
-    assert gemma3n_kernels._routed_default(0, streams, 2048) == expected
+    newest = len(gemma3n_kernels.KERNELS[step])
+    assert gemma3n_kernels._routed_default(step, 0, streams, 2048) == (newest if expected == "newest" else expected)

@@ -9,8 +9,10 @@
 // dot product the step needs (<h_a, h_a>, A_n = sum_d R_nd w_d h_a,d, G_ij = <g_i, h_j>):
 //   dC = G;  gm_p = P^T dC;  grad_h_j = g_j + sum_i C_ij g_i + [j == a] route_backward(h_a, gm_p)
 //   partial layout per block: S [N, H] (S_nd = sum_t r gz_n h_a,d) | dP [N*N*N] (sum_t G_ij m_l)
-//   (S accumulates in dynamic shared memory, laid out by the template argument Sums: the
-//   backward's version 1 is RowMajorSums, version 2 SliceMajorSums, altup_rows.cuh)
+//   (S accumulates in dynamic shared memory, laid out by the template argument Sums,
+//   altup_rows.cuh; the token's rows are kept as the template argument Rows says, below). The
+//   backward's versions: v1 <RowMajorSums, GradRowsReloaded>, v2 <SliceMajorSums,
+//   GradRowsReloaded>, v3 <SliceMajorSums, PackedRows>; all give the same bits.
 // and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
 // active index A is a template argument so that every row array is indexed by constants
 // (registers, no local memory).
@@ -58,7 +60,53 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     }
 }
 
-template <int N, int A, typename Sums>
+// Where the backward keeps a token's rows, one policy per kernel version (the template argument
+// Rows); `h(j, out)` and `g(i, out)` give row j of h and row i of g unpacked to fp32.
+//
+// v1, v2: registers bound the blocks per SM, so a thread holds the N rows of h unpacked and lets
+// the rows of g pass through one at a time: once for the dot products, then once per output row
+// after the block reduction (N + N^2 loads a token). The first pass reads g through L1
+// (`load_reused`), so the later ones hit there instead of going back to memory.
+template <int N>
+struct GradRowsReloaded {
+    float rows_h[N][kVec];
+    RowSlice slice;
+    const unsigned short* grad_row;  // this token's g_0
+    long long plane;
+    __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const unsigned short* hidden_row,
+                                                const unsigned short* grad_row, const long long plane)
+        : slice(slice), grad_row(grad_row), plane(plane) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) slice.load(hidden_row + j * plane, rows_h[j]);
+    }
+    __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[e] = rows_h[j][e];
+    }
+    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const {
+        slice.load_reused(grad_row + i * plane, out);
+    }
+};
+
+// v3: both sets of rows stay packed as loaded, 4 registers a row: 8 N registers hold all 2N rows
+// (v1 and v2 spend 8 N on h alone), so g is read once, straight from memory, and unpacked (exactly)
+// where it is used.
+template <int N>
+struct PackedRows {
+    uint4 rows_h[N], rows_g[N];
+    __device__ __forceinline__ PackedRows(const RowSlice& slice, const unsigned short* hidden_row,
+                                          const unsigned short* grad_row, const long long plane) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            rows_h[j] = slice.load_packed(hidden_row + j * plane);
+            rows_g[j] = slice.load_packed(grad_row + j * plane);
+        }
+    }
+    __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
+    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { unpack_bf16x8(rows_g[i], out); }
+};
+
+template <int N, int A, typename Sums, template <int> class Rows>
 __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
     const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
@@ -82,22 +130,24 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     clear_weight_sums<N, Sums>(S, slice, hidden);
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        // Registers bound the blocks per SM, so a thread never holds all 2N rows: the N rows of h
-        // stay, the rows of g pass through one at a time: once for the dot products, then once per
-        // output row after the block reduction. The first pass reads g through L1 (`load_reused`),
-        // so the later ones hit there instead of going back to memory.
-        float h[N][kVec];
-#pragma unroll
-        for (int j = 0; j < N; ++j) slice.load(hidden_states + j * plane + t * hidden, h[j]);
+        const Rows<N> rows(slice, hidden_states + t * hidden, grad_predictions + t * hidden, plane);
         float sums[kSums];
-        sums[0] = dot8(h[A], h[A]);
-        router.project(h[A], sums + 1);
+        {
+            float ha[kVec];
+            rows.h(A, ha);
+            sums[0] = dot8(ha, ha);
+            router.project(ha, sums + 1);
+        }
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             float g[kVec];
-            slice.load_reused(grad_predictions + i * plane + t * hidden, g);
+            rows.g(i, g);
 #pragma unroll
-            for (int j = 0; j < N; ++j) sums[1 + N + N * i + j] = dot8(g, h[j]);
+            for (int j = 0; j < N; ++j) {
+                float hj[kVec];
+                rows.h(j, hj);
+                sums[1 + N + N * i + j] = dot8(g, hj);
+            }
         }
         block_sum_spread(sums, scratch);
         const float* Ap = sums + 1;
@@ -136,21 +186,25 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
         for (int j = 0; j < N; ++j) {
             float out[kVec];
             if (j == A) {
-                router.input_grad(alpha, beta, h[j], out);
+                float ha[kVec];
+                rows.h(A, ha);
+                router.input_grad(alpha, beta, ha, out);
             } else {
                 RowSlice::zeros(out);
             }
 #pragma unroll
             for (int i = 0; i < N; ++i) {
                 float g[kVec];
-                slice.load_reused(grad_predictions + i * plane + t * hidden, g);
+                rows.g(i, g);
                 const float c = coefs[N * i + j];
 #pragma unroll
                 for (int e = 0; e < kVec; ++e) out[e] = fmaf(c, g[e], out[e]);
             }
             slice.store(grad_hidden_states + j * plane + t * hidden, out);
         }
-        accumulate_weight_sums<N, Sums>(S, slice, hidden, route.r, gz, h[A]);
+        float ha[kVec];
+        rows.h(A, ha);
+        accumulate_weight_sums<N, Sums>(S, slice, hidden, route.r, gz, ha);
     }
     store_weight_partials<N, N * N * N, Sums>(S, dP, slice, partials, partial_stride, hidden);
 }

@@ -97,7 +97,9 @@ __host__ __device__ constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * nex
 // warp_sum_spread (next_pow2(NV) - 1 shuffles where block_sum spends 5 NV), then every warp adds
 // the warps' partials of value l in lane l, in warp order, and hands the NV totals round (NV
 // shuffles where block_sum spends 5 NV more). Fixed order: bitwise reproducible. scratch holds
-// 32 * NV floats.
+// 32 * NV floats, warp w's partials at w * NV: the lanes of a warp store and load consecutive
+// words, one bank each (at l * 32 + w, every lane of a warp hit bank w: an NV-way conflict on
+// the store and on each of the `warps` loads).
 template <int NV>
 __device__ __forceinline__ void block_sum_spread(float (&v)[NV], float* scratch) {
     constexpr int kPow2 = next_pow2(NV);
@@ -108,11 +110,11 @@ __device__ __forceinline__ void block_sum_spread(float (&v)[NV], float* scratch)
     for (int i = 0; i < kPow2; ++i) padded[i] = i < NV ? v[i] : 0.0f;
     const float warp_total = warp_sum_spread<kPow2>(padded);  // lane l: value l % kPow2
     __syncthreads();  // an earlier call may still be reading scratch
-    if (lane < NV) scratch[lane * 32 + warp] = warp_total;
+    if (lane < NV) scratch[warp * NV + lane] = warp_total;
     __syncthreads();
     float total = 0.0f;
     if (lane < NV) {
-        for (int w = 0; w < warps; ++w) total += scratch[lane * 32 + w];
+        for (int w = 0; w < warps; ++w) total += scratch[w * NV + lane];
     }
 #pragma unroll
     for (int i = 0; i < NV; ++i) v[i] = __shfl_sync(0xffffffffu, total, i);
