@@ -186,14 +186,21 @@ def _runner(model: torch.nn.Module, mode: str, regional: bool) -> Callable:
     return model
 
 
+def text_token_ids(config, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """[batch, seq] token ids drawn above the special ones and below both vocabularies: E2B's
+    embedding has 262400 rows, its per-layer embedding 262144 (the ids past it are the multimodal
+    model's audio and vision tokens), and transformers before 5.25 looks every id up in both, so a
+    larger id fails on the GPU (a device-side assert). The same for patched and unpatched models."""
+    high = min(config.vocab_size, config.vocab_size_per_layer_input)
+    return torch.randint(3, high, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
 def make_step(model: torch.nn.Module, task: str, mode: str, batch: int, seq: int, *, regional: bool = False,
               seed: int = 0) -> Callable[[], None]:
     """The zero-argument callable that runs one step of `task` on `model` in `mode`; it returns
     nothing, so no output outlives the step."""
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    # Token ids above the special ones; the same for patched and unpatched models.
-    ids = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(device)
+    ids = text_token_ids(model.config, batch, seq, seed).to(device)
     run = _runner(model, mode, regional)
     # CUDA graph trees reuse their output memory at every replay: marking each step as new tells them
     # the previous step's outputs are dead (without it a training replay errors out).
