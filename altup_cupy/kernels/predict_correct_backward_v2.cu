@@ -2,10 +2,12 @@
 // section 2) in one fused pass; notation of predict_correct_backward_v1.cu.
 //
 // What this version changed:
-//   v2: one pass: a persistent block keeps its token's 2N+1 rows in registers (prefetching the
-//       next token's), merges the per-token reductions into 3 block-reduction rounds, writes the
-//       activation gradients once with 16-byte stores and keeps per-block weight-gradient partials
-//       in registers; predict_correct_backward_reduce sums the partials in a fixed order (no atomics).
+//   v2: one pass: a persistent block keeps its token's 2N+1 rows in registers (the next token's
+//       rows prefetched into shared memory by cp.async), re-reads the router and norm weight
+//       slices through L1, merges the per-token reductions into 3 block-reduction rounds, writes
+//       the activation gradients once with 16-byte stores and accumulates per-block
+//       weight-gradient partials in dynamic shared memory; predict_correct_backward_reduce sums
+//       the partials in a fixed order (no atomics).
 //   v2 (RESIDENT = false): the same kernel for large H (rows too big for registers): each phase
 //       re-reads the token's rows from global memory (L1/L2 hits after the first read).
 #include "common.cuh"
