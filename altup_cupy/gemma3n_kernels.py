@@ -191,9 +191,6 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     return out
 
 
-_ROUTED_DEFAULTS: dict[tuple[int, int, int], int] = {}
-
-
 _ROUTED_DEFAULTS: dict[tuple[str, int, int, int], int] = {}
 
 
