@@ -82,7 +82,7 @@ def _train(seed: int, engine: str | None) -> tuple[list[float], dict[str, torch.
     this process alone on the whole batches. Returns the losses and the final parameters."""
     device = torch.device("cpu")
     model = build_model(CONFIG, patched=True, device=device, seed=seed)
-    batches = multi_gpu.token_batches(seed, STEPS, BATCH, SEQ, model.config.vocab_size)
+    batches = multi_gpu.token_batches(seed, STEPS, BATCH, SEQ, model.config)
     if engine is not None:
         model = multi_gpu.distribute(model, engine, device)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)

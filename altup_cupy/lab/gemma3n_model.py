@@ -186,13 +186,16 @@ def _runner(model: torch.nn.Module, mode: str, regional: bool) -> Callable:
     return model
 
 
-def text_token_ids(config, batch: int, seq: int, seed: int) -> torch.Tensor:
-    """[batch, seq] token ids drawn above the special ones and below both vocabularies: E2B's
-    embedding has 262400 rows, its per-layer embedding 262144 (the ids past it are the multimodal
-    model's audio and vision tokens), and transformers before 5.25 looks every id up in both, so a
-    larger id fails on the GPU (a device-side assert). The same for patched and unpatched models."""
+def text_token_ids(config, batch: int, seq: int, generator: torch.Generator | int) -> torch.Tensor:
+    """[batch, seq] token ids drawn (from `generator`, or a new one seeded with it) above the special
+    ones and below both vocabularies: E2B's embedding has 262400 rows, its per-layer embedding 262144
+    (the ids past it are the multimodal model's audio and vision tokens), and transformers before
+    5.25 looks every id up in both, so a larger id fails on the GPU (a device-side assert). The same
+    for patched and unpatched models."""
+    if isinstance(generator, int):
+        generator = torch.Generator().manual_seed(generator)
     high = min(config.vocab_size, config.vocab_size_per_layer_input)
-    return torch.randint(3, high, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, high, (batch, seq), generator=generator)
 
 
 def make_step(model: torch.nn.Module, task: str, mode: str, batch: int, seq: int, *, regional: bool = False,

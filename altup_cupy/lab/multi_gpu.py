@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from .._extras import require
 from .bench import run_info
-from .gemma3n_model import append_row, build_model
+from .gemma3n_model import append_row, build_model, text_token_ids
 from .paths import results_dir
 
 ENGINES = ("ddp", "fsdp2")
@@ -92,11 +92,12 @@ def distribute(model: torch.nn.Module, engine: str, device: torch.device) -> tor
     raise ValueError(f"unknown engine {engine!r}: one of {ENGINES}")
 
 
-def token_batches(seed: int, steps: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
-    """The whole batch of every step, [batch, seq] token ids above the special ones, drawn on the
-    CPU from `seed`: the same on every rank and for any number of ranks."""
+def token_batches(seed: int, steps: int, batch: int, seq: int, config) -> list[torch.Tensor]:
+    """The whole batch of every step, [batch, seq] token ids of the model `config` describes
+    (`gemma3n_model.text_token_ids`), drawn on the CPU from `seed`: the same on every rank and for
+    any number of ranks."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (batch, seq), generator=generator) for _ in range(steps)]
+    return [text_token_ids(config, batch, seq, generator) for _ in range(steps)]
 
 
 def local_batches(batches: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -158,7 +159,7 @@ def _train_flavour(args: argparse.Namespace, patched: bool, device: torch.device
         if patched:  # a fallback to transformers' code would make this an unpatched run
             warnings.filterwarnings("error", message="altup_cupy.gemma3n")
         model = build_model(args.config, patched=patched, device=device, seed=args.seed)
-        batches = token_batches(args.seed, args.steps, args.batch, args.seq, model.config.vocab_size)
+        batches = token_batches(args.seed, args.steps, args.batch, args.seq, model.config)
         model = distribute(model, args.engine, device)
         # Made after `distribute`: FSDP2 replaces the parameters by their shards.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
