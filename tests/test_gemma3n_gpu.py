@@ -196,9 +196,9 @@ def test_backwards_are_bitwise_deterministic(seeds):
 
 @pytest.mark.parametrize("hidden,streams,active", [(2048, 4, 0), (2560, 4, 3), (2048, 3, 1), (64, 2, 1), (3072, 4, 2)])
 def test_every_backward_version_gives_the_first_versions_bits(seeds, hidden, streams, active):
-    """The predict and correct backward versions differ only in where the weight-gradient sums
-    live (gemma3n_kernels.KERNELS): the same products in the same order, so the same bits. Outputs
-    are poisoned (NaN-filled by the caching allocator's reuse) before each run."""
+    """The predict and correct backward versions differ only in where the weight-gradient sums and
+    the token's rows live (gemma3n_kernels.KERNELS): the same products in the same order, so the
+    same bits. Outputs are poisoned (NaN-filled by the caching allocator's reuse) before each run."""
     from altup_cupy import gemma3n_kernels as kernels
 
     gen = torch.Generator("cuda").manual_seed(seeds())
