@@ -15,6 +15,13 @@ the host, never the results. For the unpatched and patched compiled steps it als
 with the backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`, so
 cProfile sees it). Both profilers add their own cost per call: compare the files with each other,
 not with the wall times.
+
+    python3 scripts/profile_gemma3n_step.py --kernels --batch 8 --seq 1024 --out-dir DIR
+
+With --kernels it instead profiles the GPU side of the compiled train and prefill steps, unpatched and
+patched: `kernels_<task>_<variant>.txt` lists every kernel's total GPU time over five steps, and
+the summary line gives a step's span on the GPU (first kernel start to last kernel end), the time
+some kernel ran, and the idle rest (where the GPU waited for the host).
 """
 
 from __future__ import annotations
@@ -100,7 +107,51 @@ def _write_profiles(step, path: Path) -> None:
     path.write_text("".join(text))
 
 
-def run_case(task: str, mode: str, variant: str, batch: int, seq: int, out_dir: Path | None) -> str:
+def _kernel_profile(step, path: Path, steps: int = 5) -> str:
+    """GPU kernels of `steps` steps: a table by total GPU time into `path`; returns the per-step
+    span / busy / idle summary (CUDA-graph replays are profiled as the kernels they launch)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("step"):
+                step()
+            torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.device_time_total > 0 and e.name != "step"), key=lambda e: e.time_range.start)
+    totals: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    # Each step is synchronised inside its "step" range, so its kernels start within that range;
+    # from the range's start (the GPU idle, as in a program's step) to its last kernel's end, the
+    # union of kernel intervals is the busy time and the rest is time the GPU waited for the host.
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.name == "step" and e.device_type == torch.autograd.DeviceType.CPU)
+    span = busy = 0.0
+    for first, last in ranges:
+        mine = [e for e in kernels if first <= e.time_range.start <= last]
+        if not mine:
+            continue
+        end = first
+        for e in mine:
+            busy += max(0.0, e.time_range.end - max(e.time_range.start, end))
+            end = max(end, e.time_range.end)
+        span += end - first
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in totals.values())
+    lines = [f"{'GPU us/step':>12} {'calls/step':>10} {'share':>6}  kernel"]
+    lines += [f"{t / steps:12.1f} {n / steps:10.1f} {100 * t / total:5.1f}%  {name[:150]}" for name, (t, n) in rows]
+    path.write_text("\n".join(lines) + "\n")
+    count = max(len(ranges), 1)
+    return (f"GPU per step: kernels {total / steps / 1e3:.2f} ms, span {span / count / 1e3:.2f}, "
+            f"busy {busy / count / 1e3:.2f}, idle {(span - busy) / count / 1e3:.2f}")
+
+
+def run_case(task: str, mode: str, variant: str, batch: int, seq: int, out_dir: Path | None,
+             kernels: bool = False) -> str:
     gemma3n_model._release()
     counters.clear()
     _use_launchers(BARE_LAUNCHERS if variant == "no-kernels" else REAL_LAUNCHERS)
@@ -112,11 +163,14 @@ def run_case(task: str, mode: str, variant: str, batch: int, seq: int, out_dir: 
         wall = _wall_ms(step)
         graphs = counters["stats"].get("unique_graphs", 0)
         breaks = sum(counters["graph_break"].values())
-        if out_dir is not None and mode != "eager" and variant != "no-kernels":
+        detail = ""
+        if kernels:
+            detail = ", " + _kernel_profile(step, out_dir / f"kernels_{task}_{variant}_{batch}x{seq}.txt")
+        elif out_dir is not None and mode != "eager" and variant != "no-kernels":
             _write_profiles(step, out_dir / f"prof_{task}_{variant}.txt")
     finally:
         _use_launchers(REAL_LAUNCHERS)
-    return f"{task:8s} {mode:8s} {variant:10s} {batch}x{seq}: wall {wall:7.2f} ms, graphs {graphs}, breaks {breaks}"
+    return f"{task:8s} {mode:8s} {variant:10s} {batch}x{seq}: wall {wall:7.2f} ms, graphs {graphs}, breaks {breaks}{detail}"
 
 
 def main() -> None:
@@ -124,11 +178,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--out-dir", type=Path, default=None, help="where the profiles go (none: no profiles)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="GPU kernel tables of the compiled steps, unpatched and patched (needs --out-dir)")
     args = parser.parse_args()
+    if args.kernels and args.out_dir is None:
+        parser.error("--kernels writes its tables into --out-dir")
     if args.out_dir is not None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    if args.kernels:
+        for task in ("train", "prefill"):
+            for variant in ("unpatched", "patched"):
+                print(run_case(task, "compile", variant, args.batch, args.seq, args.out_dir, kernels=True), flush=True)
+        return
     for task in ("train", "prefill"):
         for variant in ("unpatched", "patched", "no-kernels"):
             print(run_case(task, "compile", variant, args.batch, args.seq, args.out_dir), flush=True)
