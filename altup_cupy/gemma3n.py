@@ -17,6 +17,10 @@ replacements on the modules of one instance:
   copy of that forward with those two blocks on `altup_cupy.torch.expand` / `.collapse`
   (`altup_cupy.gemma3n_forward`), used only where the installed forward is one it reproduces; on
   any other transformers release they stay transformers' own and a warning says so.
+- `Gemma3nTextDecoderLayer.forward` -> the package's own copy (`altup_cupy.gemma3n_forward`, on the
+  same terms), which takes the active prediction and the corrected active row as tensors of their
+  own (`altup_cupy.torch.predict_with_active` / `correct_with_active`), so their gradients join
+  the streams' inside the backward kernels.
 
 Where the kernels do not serve a call (not CUDA, not bfloat16, N outside 2..4, H % 8 != 0 or
 H > 3072), the call warns once and runs transformers' own code: never a wrong answer.
@@ -38,7 +42,8 @@ from ._extras import missing
 from .ops.collapse import CPU_DTYPES
 
 _MODELING = "transformers.models.gemma3n.modeling_gemma3n"
-_PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextModel": ("forward",)}
+_PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextModel": ("forward",),
+                       "Gemma3nTextDecoderLayer": ("forward",)}
 _originals: dict[tuple[type, str], object] = {}  # (class, attribute) -> transformers' function
 _settings = {"serve_cpu": False}
 
@@ -111,15 +116,31 @@ def _router_eps(module) -> float:
     return norm.eps if eps is None else eps
 
 
-def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    weights = (self.prediction_coefs.weight, self.modality_router.weight, self.router_norm.weight)
-    if _unserved("AltUp predict", (hidden_states, *weights), self.config.altup_num_inputs, hidden_states.shape[-1]):
-        return _original(type(self), "predict")(self, hidden_states)
+def _predict_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return self.prediction_coefs.weight, self.modality_router.weight, self.router_norm.weight
+
+
+def _predict_arguments(self, hidden_states: torch.Tensor) -> tuple:
+    """The arguments of altup_cupy.torch.predict for this Gemma3nTextAltUp's predict step (served)."""
     if self.training and self.config.altup_coef_clip is not None:  # in place, as transformers does
         clip = self.config.altup_coef_clip
         self.prediction_coefs.weight.data.clamp_(-clip, clip)
-    return altup.predict(hidden_states.contiguous(), *weights, self.config.altup_active_idx, _router_eps(self),
-                         _router_scale(self))
+    return (hidden_states.contiguous(), *_predict_weights(self), self.config.altup_active_idx, _router_eps(self),
+            _router_scale(self))
+
+
+def _correct_arguments(self, predictions: torch.Tensor, activated: torch.Tensor) -> tuple:
+    """The arguments of altup_cupy.torch.correct for this Gemma3nTextAltUp's correct step (served)."""
+    return (predictions.contiguous(), activated.contiguous(), _coefficients(self, self.correction_coefs.weight),
+            self.modality_router.weight, self.router_norm.weight, self.config.altup_active_idx, _router_eps(self),
+            _router_scale(self))
+
+
+def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if _unserved("AltUp predict", (hidden_states, *_predict_weights(self)), self.config.altup_num_inputs,
+                 hidden_states.shape[-1]):
+        return _original(type(self), "predict")(self, hidden_states)
+    return altup.predict(*_predict_arguments(self, hidden_states))
 
 
 def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
@@ -127,8 +148,40 @@ def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.
     if _unserved("AltUp correct", (predictions, activated, *weights), self.config.altup_num_inputs,
                  activated.shape[-1]):
         return _original(type(self), "correct")(self, predictions, activated)
-    return altup.correct(predictions.contiguous(), activated.contiguous(), _coefficients(self, weights[0]),
-                         *weights[1:], self.config.altup_active_idx, _router_eps(self), _router_scale(self))
+    return altup.correct(*_correct_arguments(self, predictions, activated))
+
+
+# ---- the decoder layer's forward, with the active rows as tensors of their own ------------------
+
+def _predict_with_active(altup_module, hidden_states: torch.Tensor):
+    return altup.predict_with_active(*_predict_arguments(altup_module, hidden_states))
+
+
+def _correct_with_active(altup_module, predictions: torch.Tensor, activated: torch.Tensor):
+    return altup.correct_with_active(*_correct_arguments(altup_module, predictions, activated))
+
+
+def _layer_forward(modeling):
+    """Gemma3nTextDecoderLayer.forward with AltUp's active rows as tensors of their own
+    (`gemma3n_forward.decoder_layer_forward`), or None (with a warning) where the installed forward
+    is not one that module reproduces: then the layer keeps transformers' forward, on our predict and
+    correct."""
+    original = _original(modeling.Gemma3nTextDecoderLayer, "forward")
+    patched = gemma3n_forward.decoder_layer_forward(original, _predict_with_active, _correct_with_active)
+    if patched is None:
+        warnings.warn("altup_cupy.gemma3n: this transformers release's Gemma3nTextDecoderLayer.forward is not one "
+                      "the package reproduces (altup_cupy.gemma3n_forward.KNOWN_LAYER_FORWARDS); the layers keep "
+                      "transformers' forward", stacklevel=3)
+        return None
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if _unserved("AltUp predict/correct", (hidden_states, *_predict_weights(self.altup)),
+                     self.config.altup_num_inputs, hidden_states.shape[-1]):
+            return original(self, hidden_states, *args, **kwargs)
+        return patched(self, hidden_states, *args, **kwargs)
+
+    forward.__doc__, forward.__wrapped__ = original.__doc__, original
+    return forward
 
 
 # ---- the text model's forward, with the expansion and collapse on our operators ----------------
@@ -170,6 +223,9 @@ def _replacements(modeling) -> dict[tuple[type, str], object]:
     forward = _model_forward(modeling)
     if forward is not None:
         replacements[(modeling.Gemma3nTextModel, "forward")] = forward
+    layer_forward = _layer_forward(modeling)
+    if layer_forward is not None:
+        replacements[(modeling.Gemma3nTextDecoderLayer, "forward")] = layer_forward
     return replacements
 
 
@@ -192,7 +248,8 @@ def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False) -> N
                 setattr(module, name, MethodType(function, module))
                 found = True
     if not found:
-        raise ValueError(f"model has no Gemma3nTextAltUp or Gemma3nTextModel module: {type(model).__name__}")
+        raise ValueError(f"model has no Gemma3nTextAltUp, Gemma3nTextDecoderLayer or Gemma3nTextModel module: "
+                         f"{type(model).__name__}")
 
 
 def unpatch(model: torch.nn.Module | None = None) -> None:

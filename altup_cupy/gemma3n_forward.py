@@ -1,4 +1,5 @@
-"""Gemma3nTextModel.forward written out by hand, with the AltUp expansion and collapse on altup_cupy.
+"""Gemma3nTextModel.forward and Gemma3nTextDecoderLayer.forward written out by hand, with AltUp on
+altup_cupy.
 
 transformers writes the expansion (the token embeddings -> N streams) and the collapse (N streams
 -> one hidden state) inline in `Gemma3nTextModel.forward`, so the only way to run them on our
@@ -6,11 +7,21 @@ operators is to replace that forward. As Liger-Kernel does for the models it pat
 keeps its own copy of the forward: the installed forward's steps in the installed order, with the
 two inline blocks replaced by `expand(self, embeddings)` and `collapse(self, streams)`.
 
+The decoder layer reads two rows of AltUp's [N, B, S, H] outputs on their own: the active
+prediction (the input of attention and of the residual) and the corrected active row (the input
+of the per-layer-input branch, whose result is added back to streams 1..N-1). As views of the
+streams, each costs the backward a pass over all N rows: autograd adds the row's gradient into a
+zero-filled [N, B, S, H] tensor, then that to the streams' gradient. The layer's own copy calls
+`predict(altup, streams)` and `correct(altup, predictions, activated)`, which return the active row
+as a tensor of its own next to the streams (the kernels write it as they write the streams); its
+gradient then reaches the backward kernel apart and is added there as the rows are read.
+
 A hand-written forward is right only for the transformers releases it was written against.
-`KNOWN_FORWARDS` maps the fingerprint of each such release's forward (its syntax tree, without
-docstring or comments) to the two names that differ between them: the keyword that carries the KV
-cache and the class that holds the KV states shared between layers. `text_model_forward` returns
-None for any other forward, and the patch then keeps transformers' forward (with a warning).
+`KNOWN_FORWARDS` and `KNOWN_LAYER_FORWARDS` map the fingerprint of each such release's forward (its
+syntax tree, without docstring or comments) to the two names that differ between them: the keyword
+that carries the KV cache and the class that holds the KV states shared between layers.
+`text_model_forward` and `decoder_layer_forward` return None for any other forward, and the patch
+then keeps transformers' forward (with a warning).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import ast
 import collections
 import hashlib
 import inspect
+import math
 import textwrap
 from dataclasses import dataclass
 from typing import Callable
@@ -35,11 +47,14 @@ class Dialect:
     kv_storage: str  # the class of the per-call store of shared KV states: "UserDict" or a modeling name
 
 
-KNOWN_FORWARDS = {
-    "ba4e9bd9da9c5bb1": Dialect("5.17 - 5.22", "past_key_values", "UserDict"),
-    "dbf400850f7e5ec5": Dialect("5.23", "past_key_values", "KVSharingDict"),
-    "1a5fb3d2afc2ef61": Dialect("5.24 - 5.25", "cache", "KVSharingDict"),
-}
+UNTIL_5_22 = Dialect("5.17 - 5.22", "past_key_values", "UserDict")
+RELEASE_5_23 = Dialect("5.23", "past_key_values", "KVSharingDict")
+FROM_5_24 = Dialect("5.24 - 5.25", "cache", "KVSharingDict")
+# Gemma3nTextModel.forward
+KNOWN_FORWARDS = {"ba4e9bd9da9c5bb1": UNTIL_5_22, "dbf400850f7e5ec5": RELEASE_5_23, "1a5fb3d2afc2ef61": FROM_5_24}
+# Gemma3nTextDecoderLayer.forward
+KNOWN_LAYER_FORWARDS = {"fdd53bf153a6da55": UNTIL_5_22, "ba4362c6b40e9399": RELEASE_5_23,
+                        "c0d1f2f535efc4bb": FROM_5_24}
 
 
 def fingerprint(function: Callable) -> str:
@@ -106,3 +121,48 @@ def text_model_forward(modeling, installed: Callable, expand: Callable, collapse
     # The installed forward's own decorators, outermost last (KNOWN_FORWARDS pins them): defaults
     # from the config (use_cache), and the hooks that collect hidden states and attentions.
     return modeling.merge_with_config_defaults(modeling.capture_outputs(tie_last_hidden_states=False)(forward))
+
+
+def decoder_layer_forward(installed: Callable, predict: Callable, correct: Callable) -> Callable | None:
+    """The forward for the installed Gemma3nTextDecoderLayer, or None if `installed` (its forward)
+    is not one of KNOWN_LAYER_FORWARDS. predict(altup, streams) -> (predictions, a copy of the
+    active prediction); correct(altup, predictions, activated) -> (corrected, a copy of the corrected
+    active row)."""
+    dialect = KNOWN_LAYER_FORWARDS.get(fingerprint(installed))
+    if dialect is None:
+        return None
+    cache_keyword = dialect.cache_keyword
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: torch.Tensor | None = None,
+                per_layer_input: torch.Tensor | None = None, shared_kv_states=None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
+                cache=None, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)  # either name, as in `text_model_forward`
+        predictions, active_prediction = predict(self.altup, hidden_states)
+
+        active_prediction_normed = self.input_layernorm(active_prediction)
+        laurel_output = self.laurel(active_prediction_normed)
+        attn, _ = self.self_attn(hidden_states=active_prediction_normed, attention_mask=attention_mask,
+                                 shared_kv_states=shared_kv_states, position_ids=position_ids,
+                                 position_embeddings=position_embeddings, **{cache_keyword: cache}, **kwargs)
+        attn = self.post_attention_layernorm(attn)
+
+        attn_gated = active_prediction + attn
+        attn_laurel = (attn_gated + laurel_output) / math.sqrt(2)
+        attn_norm = self.pre_feedforward_layernorm(attn_laurel)
+        attn_ffw = self.mlp(attn_norm)
+        attn_ffw_norm = self.post_feedforward_layernorm(attn_ffw)
+        attn_ffw_laurel_gated = attn_laurel + attn_ffw_norm
+        corrected_predictions, first_prediction = correct(self.altup, predictions, attn_ffw_laurel_gated)
+
+        if self.config.altup_correct_scale:
+            first_prediction = self.altup.scale_corrected_output(first_prediction)
+        first_prediction = self.per_layer_input_gate(first_prediction)
+        first_prediction = self.act_fn(first_prediction)
+        first_prediction = torch.multiply(first_prediction, per_layer_input)
+        first_prediction = self.per_layer_projection(first_prediction)
+        first_prediction = self.post_per_layer_input_norm(first_prediction)
+        corrected_predictions[1:] += first_prediction
+        return corrected_predictions
+
+    return forward

@@ -49,9 +49,10 @@ class CorrectGradients(NamedTuple):
     grad_norm_weight: torch.Tensor  # bf16 [H]
 
 
-def _addresses(*tensors: torch.Tensor) -> tuple[int, ...]:
-    """The device addresses of `tensors`, the kernels' pointer arguments."""
-    return tuple(t.data_ptr() for t in tensors)
+def _addresses(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+    """The device addresses of `tensors`, the kernels' pointer arguments (None: a null pointer, an
+    optional argument left out)."""
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
 def _row_threads(hidden: int) -> int:
@@ -92,15 +93,15 @@ def _routed_backward_versions(source: KernelSource, template: str, arg_types: tu
 # where `_routed_default` picks an older predict or correct backward for the GPU at hand.
 KERNELS = {
     # <N, active index>
-    "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 5 + _FORWARD_TAIL),),
+    "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 6 + _FORWARD_TAIL),),
     # <N, active index, weight-sum layout, row storage>: v1 row-major sums (8-way bank conflicts),
     # v2 slice-major, v3 slice-major with the token's rows packed in registers (g read once)
     "predict_backward": _routed_backward_versions(_sources.ALTUP_PREDICT_V1, "altup_predict_backward",
-                                                  _PTR * 7 + _BACKWARD_TAIL, _sources.PREDICT_BACKWARD_VERSIONS),
-    "correct_forward": (RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 6 + _FORWARD_TAIL),),
+                                                  _PTR * 8 + _BACKWARD_TAIL, _sources.PREDICT_BACKWARD_VERSIONS),
+    "correct_forward": (RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 7 + _FORWARD_TAIL),),
     # <N, active index, weight-sum layout>: v1 row-major, v2 slice-major
     "correct_backward": _routed_backward_versions(_sources.ALTUP_CORRECT_V1, "altup_correct_backward",
-                                                  _PTR * 9 + _BACKWARD_TAIL, _sources.CORRECT_BACKWARD_VERSIONS),
+                                                  _PTR * 10 + _BACKWARD_TAIL, _sources.CORRECT_BACKWARD_VERSIONS),
     # <N>
     "router_grads": (RowKernel(_sources.ALTUP_ROUTER_GRADS_V1, "altup_router_grads_v1",
                                ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),),
@@ -181,14 +182,16 @@ def _router_grads(partials: torch.Tensor, coef_columns: int, router_weight: torc
 
 
 def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx: int,
-                    eps: float, router_scale: float) -> torch.Tensor:
+                    eps: float, router_scale: float, with_active: bool = False):
+    """The predictions [N, B, S, H]; with_active: (predictions, a copy of predictions[active_idx])."""
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     tokens = hidden_states.numel() // (streams * hidden)
     out = torch.empty_like(hidden_states)
+    active = torch.empty_like(hidden_states[0]) if with_active else None
     _launch("predict_forward", (streams, active_idx), hidden_states.get_device(), tokens, _row_threads(hidden),
-            (*_addresses(hidden_states, prediction_coefs, router_weight, norm_weight, out),
+            (*_addresses(hidden_states, prediction_coefs, router_weight, norm_weight, out, active),
              tokens, hidden, eps, router_scale))
-    return out
+    return (out, active) if with_active else out
 
 
 _ROUTED_DEFAULTS: dict[tuple[str, int, int, int], int] = {}
@@ -218,7 +221,8 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
                      router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches KERNELS[step] (the predict or correct backward) and sums its per-block partials.
 
-    tensors: the kernel's pointer arguments before the partials, the first one [N, B, S, H]. A block's
+    tensors: the kernel's pointer arguments before the partials (None: a null pointer), the first one
+    [N, B, S, H]. A block's
     partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
     columns. Returns (the coefficient gradient, flat; grad R; grad w), in the weights' dtype (bf16)."""
     like = tensors[0]
@@ -234,37 +238,43 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
 
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float, router_scale: float, version: int | None = None) -> PredictGradients:
-    """`version`: of KERNELS["predict_backward"] (None: `_routed_default`); every version gives the same bits."""
+                     active_idx: int, eps: float, router_scale: float, version: int | None = None,
+                     grad_active: torch.Tensor | None = None) -> PredictGradients:
+    """`version`: of KERNELS["predict_backward"] (None: `_routed_default`); every version gives the same bits.
+    grad_active: the gradient of the forward's separate copy of the active prediction, [B, S, H]."""
     streams = hidden_states.shape[0]
     grad_h = torch.empty_like(hidden_states)
     grad_P, grad_R, grad_w = _routed_backward(
         "predict_backward", version, active_idx,
-        (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, grad_h), streams ** 3,
-        router_weight, norm_weight, eps, router_scale)
+        (grad_predictions, grad_active, hidden_states, prediction_coefs, router_weight,
+         norm_weight, grad_h), streams ** 3, router_weight, norm_weight, eps, router_scale)
     return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
 
 
 def correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx: int,
-                    eps: float, router_scale: float) -> torch.Tensor:
+                    eps: float, router_scale: float, with_active: bool = False):
+    """The corrected streams [N, B, S, H]; with_active: (corrected, a copy of corrected[active_idx])."""
     streams, hidden = predictions.shape[0], predictions.shape[-1]
     tokens = activated.numel() // hidden
     out = torch.empty_like(predictions)
+    active = torch.empty_like(activated) if with_active else None
     _launch("correct_forward", (streams, active_idx), predictions.get_device(), tokens, _row_threads(hidden),
-            (*_addresses(predictions, activated, correction_coefs, router_weight, norm_weight, out),
+            (*_addresses(predictions, activated, correction_coefs, router_weight, norm_weight, out, active),
              tokens, hidden, eps, router_scale))
-    return out
+    return (out, active) if with_active else out
 
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
-                     active_idx: int, eps: float, router_scale: float, version: int | None = None) -> CorrectGradients:
-    """`version`: of KERNELS["correct_backward"] (None: `_routed_default`); every version gives the same bits."""
+                     active_idx: int, eps: float, router_scale: float, version: int | None = None,
+                     grad_active: torch.Tensor | None = None) -> CorrectGradients:
+    """`version`: of KERNELS["correct_backward"] (None: `_routed_default`); every version gives the same bits.
+    grad_active: the gradient of the forward's separate copy of the corrected active row, [B, S, H]."""
     streams = predictions.shape[0]
     grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
     grad_Q, grad_R, grad_w = _routed_backward(
         "correct_backward", version, active_idx,
-        (grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, grad_pred, grad_x),
-        streams ** 2, router_weight, norm_weight, eps, router_scale)
+        (grad_corrected, grad_active, predictions, activated, correction_coefs, router_weight,
+         norm_weight, grad_pred, grad_x), streams ** 2, router_weight, norm_weight, eps, router_scale)
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
 

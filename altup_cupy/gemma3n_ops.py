@@ -5,6 +5,11 @@ steps, forward and backward.
     predict_backward(grad, hidden_states, ...) -> (grad_hidden_states, grad_P, grad_R, grad_w)
     correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale)
     correct_backward(grad, predictions, activated, ...) -> (grad_pred, grad_activated, grad_Q, grad_R, grad_w)
+    predict_with_active(...) -> (pred, active)      active: a copy of pred[active_idx], its own tensor
+    correct_with_active(...) -> (corrected, active)  active: a copy of corrected[active_idx]
+    (predict_backward and correct_backward take that copy's gradient as `grad_active` and add it to
+    row active_idx of `grad` as they read it: the model's two uses of a row, summed without a pass
+    over all N rows)
     expand(embeddings, projections[], floor) -> (streams, projected)   projected: x0 @ W_k^T, [B, S, N-1, H]
     expand_backward(grad_streams, embeddings, projections[], projected, floor) -> (grad_embeddings, grad_W)
     collapse_backward(grad_output, hidden_states, projections[], floor) -> (grad_hidden_states, grad_U)
@@ -178,21 +183,29 @@ def _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weigh
     return streams, hidden
 
 
-@operator("predict(Tensor hidden_states, Tensor prediction_coefs, Tensor router_weight, Tensor norm_weight, "
-          "SymInt active_idx, float eps, float router_scale) -> Tensor")
-def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
-            norm_weight: torch.Tensor, active_idx: int, eps: float, router_scale: float) -> torch.Tensor:
+def _predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale,
+                     with_active: bool):
     args = (hidden_states, prediction_coefs, router_weight, norm_weight)
     if not _kernels_take(hidden_states, active_idx, args[1:], _predict_shapes):
         streams, hidden = _validate_predict(*args, active_idx)
         if not hidden_states.is_cuda:
             pred = ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
-            return pred.to(hidden_states.dtype)
+            pred = pred.to(hidden_states.dtype)
+            return (pred, pred[active_idx].clone()) if with_active else pred
         _check_cuda(list(zip(("hidden_states", "prediction_coefs", "router_weight", "norm_weight"), args)),
                     streams, hidden)
     if hidden_states.numel() == 0:
-        return torch.empty_like(hidden_states)
-    return cuda.predict_forward(*args, active_idx, eps, router_scale)
+        pred = torch.empty_like(hidden_states)
+        return (pred, torch.empty_like(hidden_states[0])) if with_active else pred
+    return cuda.predict_forward(*args, active_idx, eps, router_scale, with_active=with_active)
+
+
+@operator("predict(Tensor hidden_states, Tensor prediction_coefs, Tensor router_weight, Tensor norm_weight, "
+          "SymInt active_idx, float eps, float router_scale) -> Tensor")
+def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
+            norm_weight: torch.Tensor, active_idx: int, eps: float, router_scale: float) -> torch.Tensor:
+    return _predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps,
+                            router_scale, with_active=False)
 
 
 @predict.register_fake
@@ -201,25 +214,61 @@ def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, e
     return torch.empty_like(hidden_states)
 
 
+@operator("predict_with_active(Tensor hidden_states, Tensor prediction_coefs, Tensor router_weight, "
+          "Tensor norm_weight, SymInt active_idx, float eps, float router_scale) -> (Tensor, Tensor)")
+def predict_with_active(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
+                        norm_weight: torch.Tensor, active_idx: int, eps: float,
+                        router_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps,
+                            router_scale, with_active=True)
+
+
+@predict_with_active.register_fake
+def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
+    _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
+    return torch.empty_like(hidden_states), torch.empty_like(hidden_states[0])
+
+
+def _check_grad_active(grad_active, grad) -> None:
+    """grad_active: None, or a [B, S, H] tensor of `grad`'s dtype (grad: [N, B, S, H])."""
+    if grad_active is not None:
+        _check_tensor("grad_active", grad_active, tuple(grad.shape[1:]), "B S H", grad.dtype)
+
+
+def _with_grad_active(grad: torch.Tensor, grad_active, active_idx: int) -> torch.Tensor:
+    """grad with grad_active added to row active_idx, in grad's dtype (as autograd would add the
+    gradients of two uses of the row): the CPU path's form of what the kernels do as they load."""
+    if grad_active is None:
+        return grad
+    grad = grad.clone()
+    grad[active_idx] += grad_active
+    return grad
+
+
 @operator("predict_backward(Tensor grad_predictions, Tensor hidden_states, Tensor prediction_coefs, "
           "Tensor router_weight, Tensor norm_weight, SymInt active_idx, float eps, "
-          "float router_scale) -> (Tensor, Tensor, Tensor, Tensor)")
+          "float router_scale, Tensor? grad_active=None) -> (Tensor, Tensor, Tensor, Tensor)")
 def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor, prediction_coefs: torch.Tensor,
                      router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
-                     router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     router_scale: float, grad_active: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight)
-    if not _kernels_take(hidden_states, active_idx, (prediction_coefs, router_weight, norm_weight, grad_predictions),
-                         lambda n, b, s, h: (*_predict_shapes(n, b, s, h), (n, b, s, h))):
+    extra = () if grad_active is None else (grad_active,)
+    if not _kernels_take(hidden_states, active_idx, (prediction_coefs, router_weight, norm_weight, grad_predictions,
+                                                     *extra),
+                         lambda n, b, s, h: (*_predict_shapes(n, b, s, h), (n, b, s, h), *((b, s, h),) * len(extra))):
         streams, hidden = _validate_predict(*args[1:], active_idx)
         _check_tensor("grad_predictions", grad_predictions, tuple(hidden_states.shape), "N B S H")
+        _check_grad_active(grad_active, grad_predictions)
         if not hidden_states.is_cuda:
-            grads = ref.predict_backward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
+            grad = _with_grad_active(grad_predictions, grad_active, active_idx)
+            grads = ref.predict_backward(grad, *args[1:], active_idx, eps, _compute_dtype(hidden_states), router_scale)
             return (grads[0].to(hidden_states.dtype), *grads[1:])
         _check_cuda(list(zip(("grad_predictions", "hidden_states", "prediction_coefs", "router_weight",
-                              "norm_weight"), args)), streams, hidden)
+                              "norm_weight", "grad_active"), (*args, *extra))), streams, hidden)
     if hidden_states.numel() == 0:
         return _zero_grads(hidden_states, prediction_coefs, router_weight, norm_weight)
-    return tuple(cuda.predict_backward(*args, active_idx, eps, router_scale))
+    return tuple(cuda.predict_backward(*args, active_idx, eps, router_scale, grad_active=grad_active))
 
 
 def _zero_grads(activations, *weights):
@@ -242,8 +291,10 @@ def _zero_projection_grads(activations, projections):
 
 
 @predict_backward.register_fake
-def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
+def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale,
+      grad_active=None):
     _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
+    _check_grad_active(grad_active, grad_predictions)
     return (torch.empty_like(hidden_states),
             *(w.new_empty(w.shape, dtype=_weight_grad_dtype(hidden_states, w))
               for w in (prediction_coefs, router_weight, norm_weight)))
@@ -262,21 +313,29 @@ def _validate_correct(predictions, activated, correction_coefs, router_weight, n
 _CORRECT_NAMES = ("predictions", "activated", "correction_coefs", "router_weight", "norm_weight")
 
 
+def _correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
+                     router_scale, with_active: bool):
+    args = (predictions, activated, correction_coefs, router_weight, norm_weight)
+    if not _kernels_take(predictions, active_idx, args[1:], _correct_shapes):
+        streams, hidden = _validate_correct(*args, active_idx)
+        if not predictions.is_cuda:
+            corrected = ref.correct_forward(*args, active_idx, eps, _compute_dtype(predictions),
+                                            router_scale).to(predictions.dtype)
+            return (corrected, corrected[active_idx].clone()) if with_active else corrected
+        _check_cuda(list(zip(_CORRECT_NAMES, args)), streams, hidden)
+    if activated.numel() == 0:
+        corrected = torch.empty_like(predictions)
+        return (corrected, torch.empty_like(activated)) if with_active else corrected
+    return cuda.correct_forward(*args, active_idx, eps, router_scale, with_active=with_active)
+
+
 @operator("correct(Tensor predictions, Tensor activated, Tensor correction_coefs, Tensor router_weight, "
           "Tensor norm_weight, SymInt active_idx, float eps, float router_scale) -> Tensor")
 def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
             router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
             router_scale: float) -> torch.Tensor:
-    args = (predictions, activated, correction_coefs, router_weight, norm_weight)
-    if not _kernels_take(predictions, active_idx, args[1:], _correct_shapes):
-        streams, hidden = _validate_correct(*args, active_idx)
-        if not predictions.is_cuda:
-            return ref.correct_forward(*args, active_idx, eps, _compute_dtype(predictions),
-                                       router_scale).to(predictions.dtype)
-        _check_cuda(list(zip(_CORRECT_NAMES, args)), streams, hidden)
-    if activated.numel() == 0:
-        return torch.empty_like(predictions)
-    return cuda.correct_forward(*args, active_idx, eps, router_scale)
+    return _correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
+                            router_scale, with_active=False)
 
 
 @correct.register_fake
@@ -285,32 +344,52 @@ def _(predictions, activated, correction_coefs, router_weight, norm_weight, acti
     return torch.empty_like(predictions)
 
 
+@operator("correct_with_active(Tensor predictions, Tensor activated, Tensor correction_coefs, "
+          "Tensor router_weight, Tensor norm_weight, SymInt active_idx, float eps, float router_scale) "
+          "-> (Tensor, Tensor)")
+def correct_with_active(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
+                        router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int, eps: float,
+                        router_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
+                            router_scale, with_active=True)
+
+
+@correct_with_active.register_fake
+def _(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps, router_scale):
+    _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
+    return torch.empty_like(predictions), torch.empty_like(activated)
+
+
 @operator("correct_backward(Tensor grad_corrected, Tensor predictions, Tensor activated, Tensor correction_coefs, "
           "Tensor router_weight, Tensor norm_weight, SymInt active_idx, float eps, "
-          "float router_scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+          "float router_scale, Tensor? grad_active=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, activated: torch.Tensor,
                      correction_coefs: torch.Tensor, router_weight: torch.Tensor, norm_weight: torch.Tensor,
-                     active_idx: int, eps: float, router_scale: float
+                     active_idx: int, eps: float, router_scale: float, grad_active: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (predictions, activated, correction_coefs, router_weight, norm_weight)
-    if not _kernels_take(predictions, active_idx, (*args[1:], grad_corrected),
-                         lambda n, b, s, h: (*_correct_shapes(n, b, s, h), (n, b, s, h))):
+    extra = () if grad_active is None else (grad_active,)
+    if not _kernels_take(predictions, active_idx, (*args[1:], grad_corrected, *extra),
+                         lambda n, b, s, h: (*_correct_shapes(n, b, s, h), (n, b, s, h), *((b, s, h),) * len(extra))):
         streams, hidden = _validate_correct(*args, active_idx)
         _check_tensor("grad_corrected", grad_corrected, tuple(predictions.shape), "N B S H")
+        _check_grad_active(grad_active, grad_corrected)
         if not predictions.is_cuda:
-            grads = ref.correct_backward(grad_corrected, *args, active_idx, eps, _compute_dtype(predictions),
-                                         router_scale)
+            grad = _with_grad_active(grad_corrected, grad_active, active_idx)
+            grads = ref.correct_backward(grad, *args, active_idx, eps, _compute_dtype(predictions), router_scale)
             return (grads[0].to(predictions.dtype), grads[1].to(activated.dtype), *grads[2:])
-        _check_cuda([("grad_corrected", grad_corrected), *zip(_CORRECT_NAMES, args)], streams, hidden)
+        _check_cuda([("grad_corrected", grad_corrected), *zip(_CORRECT_NAMES, args),
+                     *(("grad_active", t) for t in extra)], streams, hidden)
     if activated.numel() == 0:
         return (torch.zeros_like(predictions), *_zero_grads(activated, correction_coefs, router_weight, norm_weight))
-    return tuple(cuda.correct_backward(grad_corrected, *args, active_idx, eps, router_scale))
+    return tuple(cuda.correct_backward(grad_corrected, *args, active_idx, eps, router_scale, grad_active=grad_active))
 
 
 @correct_backward.register_fake
 def _(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
-      router_scale):
+      router_scale, grad_active=None):
     _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
+    _check_grad_active(grad_active, grad_corrected)
     return (torch.empty_like(predictions), torch.empty_like(activated),
             *(w.new_empty(w.shape, dtype=_weight_grad_dtype(predictions, w))
               for w in (correction_coefs, router_weight, norm_weight)))

@@ -1,6 +1,8 @@
 """Differentiable Gemma 3n AltUp steps for PyTorch: `predict`, `correct`, `expand`, `collapse`.
 
     from altup_cupy.torch import predict, correct, expand, collapse
+    (and predict_with_active, correct_with_active: the same steps with the active row as a
+    tensor of its own, for layers that read it apart from the N streams)
 
     pred      = predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps)
     activated = layer(pred[active_idx])            # the decoder layer proper, any torch code
@@ -46,20 +48,25 @@ def _router_scale(router_scale, x):
     return 1.0 / x.shape[-1] if router_scale is None else _arrays.positive_finite("router_scale", router_scale)
 
 
-def _register_routed_autograd(op: str) -> None:
-    """Registers the autograd of `op`, predict or correct. Both take their tensors first, then
-    active_idx, eps and router_scale; the backward saves every tensor and `<op>_backward` returns
-    one gradient per tensor (the three others get None)."""
-    backward_op = getattr(_ops, f"{op}_backward")
+def _register_routed_autograd(op: str, step: str) -> None:
+    """Registers the autograd of `op`: predict or correct (`step`), or their `_with_active` forms.
+    They take their tensors first, then active_idx, eps and router_scale; the backward saves every
+    tensor and `<step>_backward` returns one gradient per tensor (the three others get None). The
+    `_with_active` forms' second output, a copy of the active row, passes its gradient to the
+    backward kernel as `grad_active`."""
+    backward_op = getattr(_ops, f"{step}_backward")
 
     def setup_context(ctx, inputs, output):
         *tensors, active_idx, eps, router_scale = inputs
         ctx.save_for_backward(*tensors)
         ctx.active_idx, ctx.eps, ctx.router_scale = active_idx, eps, router_scale
 
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_active=None):
         saved = ctx.saved_tensors
-        grads = backward_op(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale)
+        if grad_active is not None:
+            grad_active = grad_active.contiguous()
+        grads = backward_op(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale,
+                            grad_active=grad_active)
         return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
 
     torch.library.register_autograd(f"altup_cupy::{op}", backward, setup_context=setup_context)
@@ -67,7 +74,8 @@ def _register_routed_autograd(op: str) -> None:
 
 # ---- predict -----------------------------------------------------------------------------------
 
-_register_routed_autograd("predict")
+_register_routed_autograd("predict", "predict")
+_register_routed_autograd("predict_with_active", "predict")
 
 
 def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
@@ -79,9 +87,20 @@ def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_
                         _arrays.positive_finite("eps", eps), _router_scale(router_scale, hidden_states))
 
 
+def predict_with_active(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
+                        norm_weight: torch.Tensor, active_idx: int = 0, eps: float = 1e-6,
+                        router_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pred, a copy of pred[active_idx]) for a layer that reads the active prediction on its own:
+    its gradient then joins pred's inside the backward kernel, where pred[active_idx] (a view) would
+    make autograd add the two in a pass over all N rows."""
+    return _ops.predict_with_active(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx,
+                                    _arrays.positive_finite("eps", eps), _router_scale(router_scale, hidden_states))
+
+
 # ---- correct -----------------------------------------------------------------------------------
 
-_register_routed_autograd("correct")
+_register_routed_autograd("correct", "correct")
+_register_routed_autograd("correct_with_active", "correct")
 
 
 def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
@@ -91,6 +110,15 @@ def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs
     router_scale: the s of route (module docstring); None: 1 / H."""
     return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx,
                         _arrays.positive_finite("eps", eps), _router_scale(router_scale, activated))
+
+
+def correct_with_active(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
+                        router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int = 0,
+                        eps: float = 1e-6, router_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(corrected, a copy of corrected[active_idx]), as `predict_with_active` is to `predict`."""
+    return _ops.correct_with_active(predictions, activated, correction_coefs, router_weight, norm_weight,
+                                    active_idx, _arrays.positive_finite("eps", eps),
+                                    _router_scale(router_scale, activated))
 
 
 # ---- expansion ---------------------------------------------------------------------------------

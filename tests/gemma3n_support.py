@@ -70,16 +70,19 @@ def tiny_text_config(streams: int = 4, hidden: int = 16, active_idx: int = 0, la
 
 def count_altup_calls(set_attribute: Callable = setattr) -> dict[str, int]:
     """How often each altup_cupy.torch operator (the patched model's route) is called from now on:
-    a dict that counts up. With pytest's `monkeypatch.setattr` the counting ends with the test; with
-    the default it lasts for the rest of the process."""
+    a dict that counts up, `predict_with_active` and `correct_with_active` (the patched decoder
+    layer's forms) under "predict" and "correct". With pytest's `monkeypatch.setattr` the counting
+    ends with the test; with the default it lasts for the rest of the process."""
     from altup_cupy import torch as altup
 
     calls = dict.fromkeys(("predict", "correct", "expand", "collapse"), 0)
-    for name in calls:
+    counted_as = {"predict": "predict", "predict_with_active": "predict", "correct": "correct",
+                  "correct_with_active": "correct", "expand": "expand", "collapse": "collapse"}
+    for name, key in counted_as.items():
         function = getattr(altup, name)
 
-        def counted(*args, _name=name, _function=function, **kwargs):
-            calls[_name] += 1
+        def counted(*args, _key=key, _function=function, **kwargs):
+            calls[_key] += 1
             return _function(*args, **kwargs)
 
         set_attribute(altup, name, counted)

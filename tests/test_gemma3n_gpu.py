@@ -222,6 +222,42 @@ def test_every_backward_version_gives_the_first_versions_bits(seeds, hidden, str
                 assert torch.equal(first, got), f"{step} v{version} {name} differs from v1"
 
 
+@pytest.mark.parametrize("hidden,streams,active", [(2048, 4, 0), (2560, 4, 3), (64, 2, 1)])
+def test_active_row_copies_and_gradients_join_as_autograd_would(seeds, hidden, streams, active):
+    """The forwards' copy of the active row is that row of their output, bit for bit; every backward
+    version given `grad_active` gives the bits of the same version given grad with grad_active
+    already added to row `active` (torch's bf16 addition, what autograd does for a view)."""
+    from altup_cupy import gemma3n_kernels as kernels
+
+    gen = torch.Generator("cuda").manual_seed(seeds())
+    tokens = 2 * 132 * kernels.BACKWARD_BLOCKS_PER_SM + 3
+    grad, hs, act = _randn(gen, streams, 1, tokens, hidden), _randn(gen, streams, 1, tokens, hidden), \
+        _randn(gen, 1, tokens, hidden)
+    grad_active = _randn(gen, 1, tokens, hidden)
+    joined = grad.clone()
+    joined[active] += grad_active
+    P, Q = _randn(gen, streams ** 2, streams, scale=0.5), _randn(gen, streams, streams, scale=0.5)
+    R, w = _randn(gen, streams, hidden, scale=hidden ** -0.5), 1.0 + _randn(gen, hidden, scale=0.1)
+    args = (1e-6, 1 / hidden)
+    pred, pred_active = kernels.predict_forward(hs, P, R, w, active, *args, with_active=True)
+    assert torch.equal(pred, kernels.predict_forward(hs, P, R, w, active, *args)) and torch.equal(pred_active,
+                                                                                                  pred[active])
+    corrected, corrected_active = kernels.correct_forward(hs, act, Q, R, w, active, *args, with_active=True)
+    assert torch.equal(corrected_active, corrected[active])
+    calls = {"predict_backward": lambda g, v, extra: kernels.predict_backward(g, hs, P, R, w, active, *args, v,
+                                                                              grad_active=extra),
+             "correct_backward": lambda g, v, extra: kernels.correct_backward(g, hs, act, Q, R, w, active, *args, v,
+                                                                              grad_active=extra)}
+    for step, call in calls.items():
+        for version in range(1, len(kernels.KERNELS[step]) + 1):
+            torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN in reused blocks
+            fused = call(grad, version, grad_active)
+            expected = call(joined, version, None)
+            for name, a, b in zip(expected._fields, fused, expected):
+                assert bool(b.float().isfinite().all()), f"{step} v{version} {name}: non-finite"
+                assert torch.equal(a, b), f"{step} v{version} {name}: grad_active joined differently"
+
+
 @pytest.mark.parametrize("hidden,streams", [(2048, 4), (2560, 3), (64, 2), (3072, 4)])
 @pytest.mark.parametrize("step", ("expansion", "collapse"))
 def test_every_magnitude_match_backward_version_gives_the_first_versions_bits(seeds, hidden, streams, step):

@@ -158,18 +158,54 @@ def test_unrecognised_forward_keeps_expansion_and_collapse(seeds, monkeypatch, o
     monkeypatch.setattr(gemma3n_forward, "KNOWN_FORWARDS", {})
     with pytest.warns(UserWarning, match="stay transformers' own"):
         gemma3n.patch(serve_cpu=True)
-    assert "forward" not in [name for (_, name) in gemma3n._originals]
+    assert (modeling.Gemma3nTextModel, "forward") not in gemma3n._originals
     _model(seeds())(input_ids=torch.randint(3, 64, (1, 4)))
     assert op_calls["expand"] == 0 and op_calls["predict"] == 2
 
 
-def test_installed_forward_is_one_the_package_reproduces():
-    """A transformers release whose Gemma3nTextModel.forward changed fails here, not in a user's
-    program: the hand-written forward must be checked against it and its fingerprint added."""
-    installed = modeling.Gemma3nTextModel.__dict__["forward"]
-    assert gemma3n_forward.fingerprint(installed) in gemma3n_forward.KNOWN_FORWARDS, (
-        f"transformers {transformers.__version__}: Gemma3nTextModel.forward has fingerprint "
-        f"{gemma3n_forward.fingerprint(installed)}, not in altup_cupy.gemma3n_forward.KNOWN_FORWARDS")
+def test_unrecognised_layer_forward_keeps_the_layers_on_our_predict_and_correct(seeds, monkeypatch):
+    monkeypatch.setattr(gemma3n_forward, "KNOWN_LAYER_FORWARDS", {})
+    calls = count_altup_calls(monkeypatch.setattr)
+    with_active = []
+    for name in ("predict_with_active", "correct_with_active"):
+        monkeypatch.setattr(gemma3n.altup, name, lambda *a, _name=name: with_active.append(_name))
+    model = _model(seeds()).train()
+    patched = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="the layers keep transformers' forward"):
+        gemma3n.patch(patched, serve_cpu=True)
+    ids = torch.randint(3, 64, (2, 5))
+    out, grads = _run(patched, ids, 7)
+    expected_out, expected_grads = _run(model, ids, 7)
+    assert with_active == [] and calls == {"predict": 2, "correct": 2, "expand": 1, "collapse": 1}
+    torch.testing.assert_close(out, expected_out, **FP32_TOL)
+    for name, g in grads.items():
+        _assert_close_normwise(g, expected_grads[name], name)
+
+
+@pytest.mark.parametrize("cls,known", [("Gemma3nTextModel", "KNOWN_FORWARDS"),
+                                       ("Gemma3nTextDecoderLayer", "KNOWN_LAYER_FORWARDS")])
+def test_installed_forward_is_one_the_package_reproduces(cls, known):
+    """A transformers release whose Gemma3nTextModel or Gemma3nTextDecoderLayer forward changed fails
+    here, not in a user's program: the hand-written forward must be checked against it and its
+    fingerprint added."""
+    installed = getattr(modeling, cls).__dict__["forward"]
+    assert gemma3n_forward.fingerprint(installed) in getattr(gemma3n_forward, known), (
+        f"transformers {transformers.__version__}: {cls}.forward has fingerprint "
+        f"{gemma3n_forward.fingerprint(installed)}, not in altup_cupy.gemma3n_forward.{known}")
+
+
+def test_patched_layers_pass_the_active_rows_as_tensors_of_their_own(seeds, monkeypatch):
+    """The patched decoder layer calls the `_with_active` forms (their gradients join inside the
+    backward kernels), and gives transformers' outputs and gradients (the test above, through them)."""
+    forms = []
+    for name in ("predict_with_active", "correct_with_active"):
+        function = getattr(gemma3n.altup, name)
+        monkeypatch.setattr(gemma3n.altup, name,
+                            lambda *a, _name=name, _function=function: forms.append(_name) or _function(*a))
+    model = _model(seeds(), layers=1)
+    gemma3n.patch(model, serve_cpu=True)
+    model(input_ids=torch.randint(3, 64, (1, 4)))
+    assert forms == ["predict_with_active", "correct_with_active"]
 
 
 def _documented():

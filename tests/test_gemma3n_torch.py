@@ -32,6 +32,39 @@ def test_predict_and_correct_gradcheck(seeds, streams, active):
     assert torch.autograd.gradcheck(step, (h, P, Q, R, w))
 
 
+@pytest.mark.parametrize("streams,active", CASES)
+def test_with_active_forms_gradcheck_and_match_the_views(seeds, streams, active):
+    """predict_with_active / correct_with_active, used as the patched decoder layer uses them (the
+    active copies read on their own, corrected streams 1..N-1 updated in place): gradcheck, and the
+    same values and gradients as predict / correct with the rows read as views."""
+    x = random_altup_inputs(seeds(), streams, batch=1, seq=2, hidden=8)
+    h, P, Q, R, w = _leaves(x.hidden_states, x.prediction_coefs, x.correction_coefs, x.router_weight, x.norm_weight)
+    layer = torch.randn(8, 8, dtype=torch.float64) / 3
+
+    def step(h, P, Q, R, w, split=True):
+        if split:
+            pred, active_pred = altup.predict_with_active(h, P, R, w, active, 1e-6)
+        else:
+            pred = altup.predict(h, P, R, w, active, 1e-6)
+            active_pred = pred[active]
+        activated = torch.tanh(active_pred @ layer) + active_pred
+        if split:
+            corrected, first = altup.correct_with_active(pred, activated, Q, R, w, active, 1e-6)
+        else:
+            corrected = altup.correct(pred, activated, Q, R, w, active, 1e-6)
+            first = corrected[active].clone()
+        corrected[1:] += torch.sin(first @ layer)
+        return corrected
+
+    assert torch.autograd.gradcheck(step, (h, P, Q, R, w))
+    grad = torch.randn(h.shape, dtype=torch.float64)
+    split, views = step(h, P, Q, R, w), step(h, P, Q, R, w, split=False)
+    torch.testing.assert_close(split, views, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(split, (h, P, Q, R, w), grad),
+                    torch.autograd.grad(views, (h, P, Q, R, w), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("streams", (2, 3, 4))
 def test_expand_and_collapse_gradcheck(seeds, streams):
     x = random_altup_inputs(seeds(), streams, batch=1, seq=2, hidden=8)
@@ -54,9 +87,15 @@ def test_ops_pass_opcheck(seeds, streams):
         (ops.correct, (hs, act, Q, R, w, 0, 1e-6, 0.125)),
         (ops.expand, (act, projections, 1e-5)),
         (ops.collapse, (hs, projections, 1e-5)),
+        (ops.predict_with_active, (hs, P, R, w, streams - 1, 1e-6, 0.125)),
+        (ops.correct_with_active, (hs, act, Q, R, w, 0, 1e-6, 0.125)),
         (ops.predict_backward, (x.grad_streams, x.hidden_states, x.prediction_coefs, R, w, 0, 1e-6, 0.125)),
+        (ops.predict_backward, (x.grad_streams, x.hidden_states, x.prediction_coefs, R, w, 0, 1e-6, 0.125,
+                                x.grad_row)),
         (ops.correct_backward, (x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, R, w, 1, 1e-6,
                                 0.125)),
+        (ops.correct_backward, (x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, R, w, 1, 1e-6,
+                                0.125, x.grad_row)),
         (ops.collapse_backward, (x.grad_row, x.hidden_states, projections, 1e-5)),
     ]
     for op, args in checks:
@@ -116,6 +155,13 @@ def test_named_errors(seeds):
         altup.collapse(x.hidden_states, list(x.projections[:1]))
     with pytest.raises(ValueError, match="activated must have shape"):
         altup.correct(x.hidden_states, x.activated[:, :1], x.correction_coefs, x.router_weight, x.norm_weight, 0)
+    ops = torch.ops.altup_cupy
+    with pytest.raises(ValueError, match=r"grad_active must have shape \[[0-9, ]+\] \(B S H\)"):
+        ops.predict_backward(x.grad_streams, x.hidden_states, x.prediction_coefs, x.router_weight, x.norm_weight,
+                             0, 1e-6, 0.125, x.grad_streams)
+    with pytest.raises(TypeError, match="grad_active must have dtype"):
+        ops.correct_backward(x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, x.router_weight,
+                             x.norm_weight, 0, 1e-6, 0.125, x.grad_row.double())
 
 
 def test_cuda_serves_names_the_limits():

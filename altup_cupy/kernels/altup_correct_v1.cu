@@ -13,6 +13,9 @@
 //   altup_router_grads_v1 sums the partials in block order and finishes dR = s w S,
 //   dw = s sum_n R_n S_n (s: the router's input scale)
 // Only the active prediction row is read in the backward: the other rows do not reach a gradient.
+// Where the model reads the corrected active row through a tensor of its own (`active_corrected`,
+// the forward's optional second output), its gradient arrives apart (`grad_active`) and is added
+// to g_a as it is loaded, rounded as autograd's bf16 addition would round it.
 #include "common.cuh"
 #include "altup_rows.cuh"
 
@@ -24,6 +27,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
     const unsigned short* __restrict__ router_weight,     // [N, H] bf16
     const unsigned short* __restrict__ norm_weight,       // [H] bf16
     unsigned short* __restrict__ corrected,               // [N, M, H] bf16
+    unsigned short* __restrict__ active_corrected,        // [M, H] bf16, a copy of row A; nullptr: none
     const long long tokens, const int hidden, const float eps, const float router_scale) {
     __shared__ float scratch[32 * (1 + N)];
     __shared__ float Q[N * N];
@@ -54,12 +58,14 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
 #pragma unroll
         for (int e = 0; e < kVec; ++e) out[e] = fmaf(k, innovation[e], pred[i][e]);
         slice.store(corrected + i * plane + t * hidden, out);
+        if (i == A && active_corrected != nullptr) slice.store(active_corrected + t * hidden, out);
     }
 }
 
 template <int N, int A, typename Sums>
 __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward(
     const unsigned short* __restrict__ grad_corrected,    // [N, M, H] bf16
+    const unsigned short* __restrict__ grad_active,       // [M, H] bf16, added to row A; nullptr: none
     const unsigned short* __restrict__ predictions,       // [N, M, H] bf16 (row A read)
     const unsigned short* __restrict__ activated,         // [M, H] bf16
     const unsigned short* __restrict__ correction_coefs,  // [N, N] bf16
@@ -85,6 +91,13 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward(
         float g[N][kVec], x[kVec], pred_a[kVec];
 #pragma unroll
         for (int i = 0; i < N; ++i) slice.load(grad_corrected + i * plane + t * hidden, g[i]);
+        if (grad_active != nullptr) {
+            float extra[kVec];
+            slice.load(grad_active + t * hidden, extra);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) g[A][e] += extra[e];
+            round_bf16x8(g[A]);
+        }
         slice.load(activated + t * hidden, x);
         slice.load(predictions + A * plane + t * hidden, pred_a);
         float sums[kSums];

@@ -13,6 +13,10 @@
 //   altup_rows.cuh; the token's rows are kept as the template argument Rows says, below). The
 //   backward's versions: v1 <RowMajorSums, GradRowsReloaded>, v2 <SliceMajorSums,
 //   GradRowsReloaded>, v3 <SliceMajorSums, PackedRows>; all give the same bits.
+// Where the model reads the active prediction through a tensor of its own (`active_prediction`,
+// the forward's optional second output), its gradient arrives apart from g's (`grad_active`) and
+// is added to g_a as the rows are loaded, with the rounding of the bf16 addition autograd would
+// otherwise make in a pass of its own over all N rows.
 // and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
 // active index A is a template argument so that every row array is indexed by constants
 // (registers, no local memory).
@@ -26,6 +30,7 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     const unsigned short* __restrict__ router_weight,   // [N, H] bf16
     const unsigned short* __restrict__ norm_weight,     // [H] bf16
     unsigned short* __restrict__ predictions,           // [N, M, H] bf16
+    unsigned short* __restrict__ active_prediction,     // [M, H] bf16, a copy of row A; nullptr: none
     const long long tokens, const int hidden, const float eps, const float router_scale) {
     __shared__ float scratch[32 * (1 + N)];
     __shared__ float P[N * N * N];
@@ -57,25 +62,29 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
             for (int e = 0; e < kVec; ++e) pred[e] = fmaf(c, h[j][e], pred[e]);
         }
         slice.store(predictions + i * plane + t * hidden, pred);
+        if (i == A && active_prediction != nullptr) slice.store(active_prediction + t * hidden, pred);
     }
 }
 
 // Where the backward keeps a token's rows, one policy per kernel version (the template argument
-// Rows); `h(j, out)` and `g(i, out)` give row j of h and row i of g unpacked to fp32.
+// Rows); `h(j, out)` and `g(i, out)` give row j of h and row i of g unpacked to fp32, g_A with
+// this token's row of grad_active added (`active_grad_row`, nullptr: none).
 //
 // v1, v2: registers bound the blocks per SM, so a thread holds the N rows of h unpacked and lets
 // the rows of g pass through one at a time: once for the dot products, then once per output row
 // after the block reduction (N + N^2 loads a token). The first pass reads g through L1
 // (`load_reused`), so the later ones hit there instead of going back to memory.
-template <int N>
+template <int N, int A>
 struct GradRowsReloaded {
     float rows_h[N][kVec];
     RowSlice slice;
     const unsigned short* grad_row;  // this token's g_0
+    const unsigned short* active_grad_row;
     long long plane;
     __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const unsigned short* hidden_row,
-                                                const unsigned short* grad_row, const long long plane)
-        : slice(slice), grad_row(grad_row), plane(plane) {
+                                                const unsigned short* grad_row,
+                                                const unsigned short* active_grad_row, const long long plane)
+        : slice(slice), grad_row(grad_row), active_grad_row(active_grad_row), plane(plane) {
 #pragma unroll
         for (int j = 0; j < N; ++j) slice.load(hidden_row + j * plane, rows_h[j]);
     }
@@ -85,30 +94,40 @@ struct GradRowsReloaded {
     }
     __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const {
         slice.load_reused(grad_row + i * plane, out);
+        if (i == A && active_grad_row != nullptr) {
+            float extra[kVec];
+            slice.load_reused(active_grad_row, extra);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out[e] += extra[e];
+            round_bf16x8(out);
+        }
     }
 };
 
 // v3: both sets of rows stay packed as loaded, 4 registers a row: 8 N registers hold all 2N rows
 // (v1 and v2 spend 8 N on h alone), so g is read once, straight from memory, and unpacked (exactly)
 // where it is used.
-template <int N>
+template <int N, int A>
 struct PackedRows {
     uint4 rows_h[N], rows_g[N];
     __device__ __forceinline__ PackedRows(const RowSlice& slice, const unsigned short* hidden_row,
-                                          const unsigned short* grad_row, const long long plane) {
+                                          const unsigned short* grad_row, const unsigned short* active_grad_row,
+                                          const long long plane) {
 #pragma unroll
         for (int j = 0; j < N; ++j) {
             rows_h[j] = slice.load_packed(hidden_row + j * plane);
             rows_g[j] = slice.load_packed(grad_row + j * plane);
         }
+        if (active_grad_row != nullptr) rows_g[A] = add_bf16x8(rows_g[A], slice.load_packed(active_grad_row));
     }
     __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
     __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { unpack_bf16x8(rows_g[i], out); }
 };
 
-template <int N, int A, typename Sums, template <int> class Rows>
+template <int N, int A, typename Sums, template <int, int> class Rows>
 __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
+    const unsigned short* __restrict__ grad_active,       // [M, H] bf16, added to row A; nullptr: none
     const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
     const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
     const unsigned short* __restrict__ router_weight,     // [N, H] bf16
@@ -130,7 +149,8 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     clear_weight_sums<N, Sums>(S, slice, hidden);
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const Rows<N> rows(slice, hidden_states + t * hidden, grad_predictions + t * hidden, plane);
+        const Rows<N, A> rows(slice, hidden_states + t * hidden, grad_predictions + t * hidden,
+                              grad_active == nullptr ? nullptr : grad_active + t * hidden, plane);
         float sums[kSums];
         {
             float ha[kVec];

@@ -34,6 +34,19 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&in)[kVec]) {
                       pack_bf16x2(in[4], in[5]), pack_bf16x2(in[6], in[7]));
 }
 
+// Rounds each of 8 fp32 to bf16 and back (round to nearest even): a bf16 result held as fp32.
+__device__ __forceinline__ void round_bf16x8(float (&v)[kVec]) { unpack_bf16x8(pack_bf16x8(v), v); }
+
+// a + b of 8 packed bf16, summed in fp32 and rounded once: the bits of torch's bf16 addition.
+__device__ __forceinline__ uint4 add_bf16x8(const uint4 a, const uint4 b) {
+    float x[kVec], y[kVec];
+    unpack_bf16x8(a, x);
+    unpack_bf16x8(b, y);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) x[e] += y[e];
+    return pack_bf16x8(x);
+}
+
 // Streaming (read-once) 16-byte load: bypasses L1 allocation so the reused data keeps it.
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) { return __ldcs(p); }
 __device__ __forceinline__ float4 load_streaming(const float4* p) { return __ldcs(p); }
