@@ -164,17 +164,17 @@ def test_a_gemma3n_kernel_version_outside_the_registry_is_refused():
             gemma3n_kernels.check_version("predict_backward", bad)
 
 
-@pytest.mark.parametrize("shared_per_sm, streams, expected", [
-    (228 * 1024, 4, "newest"),  # sm_90: two blocks of slice-major sums (48 KiB each) fit
-    (164 * 1024, 4, "newest"),  # sm_80
-    (100 * 1024, 4, 1),  # sm_86, sm_89: slice-major would leave one block an SM, v1 keeps two
-    (100 * 1024, 3, "newest"),  # slice-major sums take 36 KiB at N = 3
+@pytest.mark.parametrize("shared_per_sm, streams, predict_version, correct_version", [
+    (228 * 1024, 4, 4, 2),  # sm_90: two blocks of slice-major sums (48 KiB) and v4's staged rows (36 KiB) fit
+    (164 * 1024, 4, 3, 2),  # sm_80: the staged rows would leave one block an SM
+    (100 * 1024, 4, 1, 1),  # sm_86, sm_89: slice-major would leave one block an SM, v1 keeps two
+    (100 * 1024, 3, 3, 2),  # slice-major sums take 36 KiB at N = 3, with staged rows 64 KiB
 ])
-@pytest.mark.parametrize("step", ("predict_backward", "correct_backward"))
-def test_the_routed_backward_default_keeps_two_blocks_an_sm(monkeypatch, step, shared_per_sm, streams, expected):
+def test_the_routed_backward_default_keeps_two_blocks_an_sm(monkeypatch, shared_per_sm, streams, predict_version,
+                                                            correct_version):
     from altup_cupy import _device, gemma3n_kernels
 
     monkeypatch.setattr(_device, "shared_memory_per_sm", lambda index: shared_per_sm)
     monkeypatch.setattr(gemma3n_kernels, "_ROUTED_DEFAULTS", {})
-    newest = len(gemma3n_kernels.KERNELS[step])
-    assert gemma3n_kernels._routed_default(step, 0, streams, 2048) == (newest if expected == "newest" else expected)
+    assert gemma3n_kernels._routed_default("predict_backward", 0, streams, 2048) == predict_version
+    assert gemma3n_kernels._routed_default("correct_backward", 0, streams, 2048) == correct_version

@@ -47,6 +47,14 @@ __device__ __forceinline__ uint4 add_bf16x8(const uint4 a, const uint4 b) {
     return pack_bf16x8(x);
 }
 
+// cp.async: a 16-byte global -> shared copy that bypasses registers (and L1: .cg).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+    const unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Streaming (read-once) 16-byte load: bypasses L1 allocation so the reused data keeps it.
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) { return __ldcs(p); }
 __device__ __forceinline__ float4 load_streaming(const float4* p) { return __ldcs(p); }

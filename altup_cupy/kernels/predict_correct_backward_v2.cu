@@ -14,14 +14,6 @@
 #include "weight_grad_partials.cuh"
 #include "stream_grads.cuh"
 
-// cp.async: a 16-byte global -> shared copy that bypasses registers (and L1: .cg).
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
-    const unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem_dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // Grid: a persistent grid of G blocks; block b handles tokens b, b+G, b+2G, ... Thread x owns the
 // 8-element slices x, x + blockDim.x, ..., x + (SLICES-1) * blockDim.x of every row.
 // RESIDENT: the token's 2N+1 rows live in registers as packed bf16 (and the next token's rows are
