@@ -91,15 +91,17 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward(
         float g[N][kVec], x[kVec], pred_a[kVec];
 #pragma unroll
         for (int i = 0; i < N; ++i) slice.load(grad_corrected + i * plane + t * hidden, g[i]);
+        // Every load of the token is issued before anything waits on one: without grad_active the
+        // extra load reads g_A again (a valid address, no branch between the loads) and is unused.
+        float extra[kVec];
+        slice.load(grad_active != nullptr ? grad_active + t * hidden : grad_corrected + A * plane + t * hidden, extra);
+        slice.load(activated + t * hidden, x);
+        slice.load(predictions + A * plane + t * hidden, pred_a);
         if (grad_active != nullptr) {
-            float extra[kVec];
-            slice.load(grad_active + t * hidden, extra);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) g[A][e] += extra[e];
             round_bf16x8(g[A]);
         }
-        slice.load(activated + t * hidden, x);
-        slice.load(predictions + A * plane + t * hidden, pred_a);
         float sums[kSums];
         sums[0] = dot8(x, x);
         router.project(x, sums + 1);

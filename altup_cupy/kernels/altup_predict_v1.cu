@@ -80,8 +80,10 @@ struct TokenRows {
     __device__ __forceinline__ const unsigned short* g(const long long t, const int i) const {
         return grad_predictions + i * plane + t * hidden;
     }
+    // The row of grad_active, or (none given) g_A itself: a valid address either way, so the load
+    // issues with the others, no branch between them; its value is used only with grad_active.
     __device__ __forceinline__ const unsigned short* active_g(const long long t) const {
-        return grad_active == nullptr ? nullptr : grad_active + t * hidden;
+        return grad_active == nullptr ? g(t, 0) : grad_active + t * hidden;
     }
 };
 
@@ -105,7 +107,8 @@ struct GradRowsReloaded {
     long long plane;
     __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const TokenRows& rows, const long long t,
                                                 const uint4*)
-        : slice(slice), grad_row(rows.g(t, 0)), active_grad_row(rows.active_g(t)), plane(rows.plane) {
+        : slice(slice), grad_row(rows.g(t, 0)),
+          active_grad_row(rows.grad_active == nullptr ? nullptr : rows.active_g(t)), plane(rows.plane) {
 #pragma unroll
         for (int j = 0; j < N; ++j) slice.load(rows.h(t, j), rows_h[j]);
     }
@@ -139,7 +142,8 @@ struct PackedRows {
             rows_h[j] = slice.load_packed(rows.h(t, j));
             rows_g[j] = slice.load_packed(rows.g(t, j));
         }
-        if (rows.grad_active != nullptr) rows_g[A] = add_bf16x8(rows_g[A], slice.load_packed(rows.active_g(t)));
+        const uint4 extra = slice.load_packed(rows.active_g(t));
+        if (rows.grad_active != nullptr) rows_g[A] = add_bf16x8(rows_g[A], extra);
     }
     __device__ __forceinline__ static void stage(const RowSlice&, const TokenRows&, const long long, uint4*) {}
     __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
@@ -179,9 +183,7 @@ struct StagedRows : PackedRows<N, A> {
             cp_async16(staging + j * blockDim.x + threadIdx.x, rows.h(t, j) + slice.d0);
             cp_async16(staging + (N + j) * blockDim.x + threadIdx.x, rows.g(t, j) + slice.d0);
         }
-        if (rows.grad_active != nullptr) {
-            cp_async16(staging + 2 * N * blockDim.x + threadIdx.x, rows.active_g(t) + slice.d0);
-        }
+        cp_async16(staging + 2 * N * blockDim.x + threadIdx.x, rows.active_g(t) + slice.d0);
         cp_async_commit();
     }
 };
