@@ -161,7 +161,6 @@ struct PackedRows {
 // Shared memory: (2N + 1) * blockDim.x * 16 bytes after the weight sums.
 template <int N, int A>
 struct StagedRows : PackedRows<N, A> {
-    static constexpr int kSlots = 2 * N + 1;
     __device__ __forceinline__ StagedRows(const RowSlice& slice, const TokenRows& rows, const long long,
                                           const uint4* staging) {
         cp_async_wait_all();
