@@ -1,8 +1,8 @@
 """The AltUp collapse forward (docs/SPEC.md section 1): N streams merged into one hidden state.
 
-`collapse(...)` is the public function; `torch.ops.altup_cupy.collapse` the torch custom
-operator behind it (fake implementation for torch.compile, the kernels on CUDA, the float32
-reference on the CPU). Eager calls on CUDA tensors that need no autograd take the fast path: the
+`collapse(...)` is the public function; `torch.ops.altup_cupy.collapse` the torch operator
+behind it, registered through `_operators` (fake implementation for torch.compile, the kernels on
+CUDA, the float32 reference on the CPU). Eager calls on CUDA tensors that need no autograd take the fast path: the
 validated inputs go straight to the cached launch plan of their shape, skipping the dispatcher's
 Python layers (the result is the same kernels' on the same stream).
 """
@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import _arrays, _device
+from .._operators import operator
 from ..reference import collapse_reference
 from . import _registry
 from ._registry import fast_path_applies
@@ -71,15 +72,13 @@ def _run_cuda(hidden_states, unembed_projs, eps, version, fast_path=False):
     return out
 
 
-@torch.library.custom_op("altup_cupy::collapse", mutates_args=(), device_types="cuda")
+@operator("collapse(Tensor hidden_states, Tensor[] unembed_projs, float eps, SymInt? version=None) -> Tensor")
 def collapse_op(hidden_states: torch.Tensor, unembed_projs: list[torch.Tensor], eps: float,
                 version: int | None = None) -> torch.Tensor:
-    with _device.on(hidden_states.device):
-        return _run_cuda(hidden_states, unembed_projs, eps, version)
-
-
-@collapse_op.register_kernel("cpu")
-def _collapse_cpu(hidden_states, unembed_projs, eps, version=None):
+    """The kernels on CUDA tensors; the reference on CPU tensors."""
+    if hidden_states.is_cuda:
+        with _device.on(hidden_states.device):
+            return _run_cuda(hidden_states, unembed_projs, eps, version)
     validate(hidden_states, unembed_projs, eps)
     _registry.check_number(VERSIONS, version)
     weights = unembed_projs[0] if len(unembed_projs) == 1 and unembed_projs[0].dim() == 3 else unembed_projs

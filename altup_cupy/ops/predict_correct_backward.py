@@ -1,7 +1,7 @@
 """The backward of AltUp's predict + correct step (docs/SPEC.md section 2): six gradients.
 
 `predict_correct_backward(...)` is the public function; `torch.ops.altup_cupy.predict_correct_backward`
-the torch custom operator behind it (fake implementation for torch.compile, the kernels on CUDA,
+the torch operator behind it, registered through `_operators` (fake implementation for torch.compile, the kernels on CUDA,
 the reference on the CPU). Eager calls on CUDA tensors that need no autograd take the fast
 path: validated inputs go straight to the cached launch plan of their shape.
 """
@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _arrays, _device
+from .._operators import operator
 from ..reference import predict_correct_backward_reference
 from . import _registry
 from ._registry import fast_path_applies
@@ -112,33 +113,32 @@ def _run_cuda(inputs, active_idx, eps, version, fast_path=False, make_plan=None)
     return outs
 
 
-@torch.library.custom_op("altup_cupy::predict_correct_backward", mutates_args=(), device_types="cuda")
-def predict_correct_backward_op(
-        grad_corrected: torch.Tensor, hidden_states: torch.Tensor, activated: torch.Tensor,
-        prediction_coefs: torch.Tensor, correction_coefs: torch.Tensor, router_weight: torch.Tensor,
-        norm_weight: torch.Tensor, active_idx: int, eps: float, version: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    inputs = (grad_corrected, hidden_states, activated, prediction_coefs, correction_coefs,
-              router_weight, norm_weight)
-    with _device.on(grad_corrected.device):
-        return _run_cuda(inputs, active_idx, eps, version)
-
-
 def _weight_grad_dtype(g: torch.Tensor) -> torch.dtype:
     """fp32, as the kernels write them; float64 for the CPU reference's float64 inputs. The CPU
     reference computes in this dtype too."""
     return F64 if g.dtype == F64 else F32
 
 
-@predict_correct_backward_op.register_kernel("cpu")
-def _predict_correct_backward_cpu(*args):
-    inputs, active_idx, eps = args[:7], args[7], args[8]
+@operator("predict_correct_backward(Tensor grad_corrected, Tensor hidden_states, Tensor activated, "
+          "Tensor prediction_coefs, Tensor correction_coefs, Tensor router_weight, Tensor norm_weight, "
+          "SymInt active_idx, float eps, SymInt? version=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def predict_correct_backward_op(
+        grad_corrected: torch.Tensor, hidden_states: torch.Tensor, activated: torch.Tensor,
+        prediction_coefs: torch.Tensor, correction_coefs: torch.Tensor, router_weight: torch.Tensor,
+        norm_weight: torch.Tensor, active_idx: int, eps: float, version: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels on CUDA tensors; the reference on CPU tensors."""
+    inputs = (grad_corrected, hidden_states, activated, prediction_coefs, correction_coefs,
+              router_weight, norm_weight)
+    if grad_corrected.is_cuda:
+        with _device.on(grad_corrected.device):
+            return _run_cuda(inputs, active_idx, eps, version)
     validate(*inputs, active_idx, eps)
-    _registry.check_number(VERSIONS, args[9] if len(args) > 9 else None)
-    g = inputs[0]
-    compute = _weight_grad_dtype(g)
+    _registry.check_number(VERSIONS, version)
+    compute = _weight_grad_dtype(grad_corrected)
     grads = predict_correct_backward_reference(*inputs, active_idx, eps, compute)
-    return (grads[0].to(g.dtype), grads[1].to(g.dtype), *(d.contiguous() for d in grads[2:]))
+    return (grads[0].to(grad_corrected.dtype), grads[1].to(grad_corrected.dtype),
+            *(d.contiguous() for d in grads[2:]))
 
 
 @predict_correct_backward_op.register_fake
