@@ -166,7 +166,8 @@ ROW_THREADS_MAX = 384
 _ROWS = {"ROW_THREADS_MAX": ROW_THREADS_MAX}
 
 
-# The versions of the predict and correct backward are template arguments after <N, active index>:
+# The versions of the predict and correct backward are template arguments after <N, active index,
+# whether grad_active is given>:
 # where the weight-gradient sums live in shared memory (kernels/altup_rows.cuh) and, for the
 # predict backward, where a token's rows live (kernels/altup_predict_v1.cu). Version v is entry
 # v - 1, oldest first.
@@ -183,7 +184,9 @@ def _per_active(kernel: str, *fixed: str) -> tuple[str, ...]:
 
 
 def _versioned(kernel: str, versions: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
-    return tuple(name for fixed in versions for name in _per_active(kernel, *fixed))
+    """<N, active index, kActive (grad_active given), the version's fixed arguments...>."""
+    return tuple(name for fixed in versions for given in ("false", "true")
+                 for name in _per_active(kernel, given, *fixed))
 
 
 ALTUP_PREDICT_V1 = KernelSource(

@@ -25,6 +25,11 @@ MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in 
 # Offsets within one call's scratch allocation (cuBLASLt wants 256-byte aligned operands for its
 # fastest kernels).
 SCRATCH_ALIGNMENT = 256
+# The most cuBLASLt workspace one of the ops' GEMMs may use. It is allocated with the call's
+# scratch, in the step's own memory (transformers' GEMMs share torch's one persistent workspace):
+# with cuBLASLt's 32 MiB the heuristic picks split-K at a few hundred tokens and a 1 x 256 training
+# step under CUDA graphs held two 24 MiB workspaces at its peak.
+GEMM_WORKSPACE_BYTES = 4 << 20
 # Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
 # registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
@@ -64,6 +69,7 @@ def _row_threads(hidden: int) -> int:
 # The argument lists of the kernels, as `_launch.ARG_CODES` types: fixed per kernel, so a call
 # builds no key from its arguments.
 _PTR = ("ptr",)
+_CPP_BOOL = {False: "false", True: "true"}  # a bool template argument as the instance names spell it
 _FORWARD_TAIL = ("i64", "i32", "f32", "f32")  # tokens, hidden, eps, router scale
 _BACKWARD_TAIL = ("i64", "i64", "i32", "f32", "f32")  # partial stride, tokens, hidden, eps, router scale
 
@@ -94,13 +100,13 @@ def _routed_backward_versions(source: KernelSource, template: str, arg_types: tu
 KERNELS = {
     # <N, active index>
     "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 6 + _FORWARD_TAIL),),
-    # <N, active index, weight-sum layout, row storage>: v1 row-major sums (8-way bank conflicts),
+    # <N, active index, grad_active given, weight-sum layout, row storage>: v1 row-major sums (8-way bank conflicts),
     # v2 slice-major, v3 slice-major with the token's rows packed in registers (g read once), v4 v3
     # with the next token's rows copied into shared memory while this one is worked on
     "predict_backward": _routed_backward_versions(_sources.ALTUP_PREDICT_V1, "altup_predict_backward",
                                                   _PTR * 8 + _BACKWARD_TAIL, _sources.PREDICT_BACKWARD_VERSIONS),
     "correct_forward": (RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 7 + _FORWARD_TAIL),),
-    # <N, active index, weight-sum layout>: v1 row-major, v2 slice-major
+    # <N, active index, grad_active given, weight-sum layout>: v1 row-major, v2 slice-major
     "correct_backward": _routed_backward_versions(_sources.ALTUP_CORRECT_V1, "altup_correct_backward",
                                                   _PTR * 10 + _BACKWARD_TAIL, _sources.CORRECT_BACKWARD_VERSIONS),
     # <N>
@@ -211,14 +217,15 @@ def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
     return _ROUTED_DEFAULTS[key]
 
 
-def _dynamic_shared_bytes(entry: RowKernel, streams: int, hidden: int) -> int:
+def _dynamic_shared_bytes(entry: RowKernel, streams: int, hidden: int, active: bool = True) -> int:
     """The dynamic shared memory of a predict or correct backward version: its weight-gradient
     sums (its first fixed template argument), N * H floats row-major or 8 N planes of
     ROW_THREADS_MAX floats slice-major (kernels/altup_rows.cuh), then for staged rows (the
-    predict backward's v4) 16 bytes a thread for each of the 2N + 1 rows it copies ahead."""
+    predict backward's v4) 16 bytes a thread for each of the 2N rows it copies ahead, and one more
+    row where grad_active is given (`active`; the default sizes the larger, for `_routed_default`)."""
     sums = 4 * streams * (hidden if entry.fixed[0] == "RowMajorSums" else 8 * _sources.ROW_THREADS_MAX)
     staged = _sources.STAGED_ROWS in entry.fixed
-    return sums + (16 * (2 * streams + 1) * _row_threads(hidden) if staged else 0)
+    return sums + (16 * (2 * streams + active) * _row_threads(hidden) if staged else 0)
 
 
 def _routed_backward(step: str, version: int | None, active_idx: int, tensors: Sequence[torch.Tensor],
@@ -227,7 +234,7 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
     """Launches KERNELS[step] (the predict or correct backward) and sums its per-block partials.
 
     tensors: the kernel's pointer arguments before the partials (None: a null pointer), the first one
-    [N, B, S, H]. A block's
+    [N, B, S, H], the second grad_active. A block's
     partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
     columns. Returns (the coefficient gradient, flat; grad R; grad w), in the weights' dtype (bf16)."""
     like = tensors[0]
@@ -236,9 +243,11 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
     blocks, threads = _backward_blocks(device, tokens), _row_threads(hidden)
     version = _routed_default(step, device, streams, hidden) if version is None else check_version(step, version)
     partials, stride = _partials(device, blocks, streams * hidden + coef_columns)
-    _launch(step, (streams, active_idx), device, blocks, threads,
+    active = tensors[1] is not None  # grad_active: a template argument, no test or load without it
+    _launch(step, (streams, active_idx, _CPP_BOOL[active]), device, blocks, threads,
             (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden, eps, router_scale),
-            shared_mem=_dynamic_shared_bytes(KERNELS[step][version - 1], streams, hidden), version=version)
+            shared_mem=_dynamic_shared_bytes(KERNELS[step][version - 1], streams, hidden, active),
+            version=version)
     return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
 
 
@@ -283,6 +292,11 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
 
+def _gemm(device: int, **shape) -> _cublas.Gemm:
+    """A GEMM of the model's ops, its workspace capped at GEMM_WORKSPACE_BYTES."""
+    return _cublas.plan(device, max_workspace_bytes=GEMM_WORKSPACE_BYTES, **shape)
+
+
 def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
     """One call's intermediates and cuBLASLt workspace, one allocation (at least 1 byte, so its
     address is real). Callers hold the tensor until they return: the launches that use its address
@@ -306,7 +320,7 @@ def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float
     out = torch.empty((streams, *embeddings.shape), dtype=embeddings.dtype, device=embeddings.device)
     with _device.on(device):
         # y_k = x0 W_k^T into its column block of the [M, (N-1) H] rows
-        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
+        project = _gemm(device, rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
         scratch = _scratch(project.workspace_bytes, embeddings.device)
         workspace = scratch.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(device)
@@ -351,10 +365,10 @@ def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor
     device = embeddings.get_device()
     with _device.on(device):
         # grad_x0 = grad_base + sum_k gp_k W_k, summed in fp32 into grad_base, rounded once
-        to_base = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False, ldx=wide,
+        to_base = _gemm(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False, ldx=wide,
                                accumulate=True)
         # grad W_k = gp_k^T x0, one batched call: gp_k is the k-th column block, x0 the same for all k
-        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+        to_weights = _gemm(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
                                   y_transposed=False, ldx=wide, out_dtype=embeddings.dtype, batch=streams - 1,
                                   x_batch_stride=hidden, d_batch_stride=hidden * hidden)
         grad_base = torch.empty(embeddings.shape, dtype=torch.float32, device=embeddings.device)
@@ -381,11 +395,11 @@ def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Te
     plane = tokens * hidden  # one stream's rows
     device = hidden_states.get_device()
     with _device.on(device):
-        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden)  # y_k = s_k U_k^T, fp32
-        to_streams = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False,
+        project = _gemm(device, rows=tokens, cols=hidden, inner=hidden)  # y_k = s_k U_k^T, fp32
+        to_streams = _gemm(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False,
                                   out_dtype=hidden_states.dtype)  # grad s_k = gp_k U_k
         # grad U_k = gp_k^T s_k, one batched call over k
-        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+        to_weights = _gemm(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
                                   y_transposed=False, out_dtype=hidden_states.dtype, batch=streams - 1,
                                   x_batch_stride=plane, y_batch_stride=plane, d_batch_stride=hidden * hidden)
         grad_s = torch.empty_like(hidden_states)

@@ -201,7 +201,7 @@ def _kernel_cases(tokens: int):
     """(kernel, call, compulsory bytes) for each row kernel at N = STREAMS, H = HIDDEN: the rows it
     must read and write once (bf16 2 bytes, fp32 projections 4; the small weights left out). The
     correct backward reads one prediction row, the active one: g (N rows), x and pred_a in, the
-    N + 1 gradients out, 2N + 3 rows."""
+    N + 1 gradients out, 2N + 3 rows. The `_with_active` rows also read grad_active, one row more."""
     n, h, m = STREAMS, HIDDEN, tokens
     eps, scale, floor, active = 1e-6, 1.0 / HIDDEN, 1e-5, 0
     device = torch.cuda.current_device()
@@ -209,7 +209,7 @@ def _kernel_cases(tokens: int):
     def bf16(*shape):
         return torch.randn(*shape, device="cuda").to(torch.bfloat16)
 
-    streams, grad, activated = bf16(n, 1, m, h), bf16(n, 1, m, h), bf16(1, m, h)
+    streams, grad, activated, grad_active = bf16(n, 1, m, h), bf16(n, 1, m, h), bf16(1, m, h), bf16(1, m, h)
     P, Q, R, w = bf16(n * n, n), bf16(n, n), bf16(n, h), 1 + 0.1 * bf16(h)
     x0, projected = bf16(m, h), torch.randn(m, (n - 1) * h, device="cuda")
     expanded, grad_projected = torch.empty_like(streams), torch.empty(m, (n - 1) * h, device="cuda").bfloat16()
@@ -224,6 +224,13 @@ def _kernel_cases(tokens: int):
         *((f"correct_backward_v{v}", lambda v=v: kernels.correct_backward(grad, streams, activated, Q, R, w, active, eps,
                                                                          scale, v),
            (2 * n + 3) * row) for v in range(1, len(kernels.KERNELS["correct_backward"]) + 1)),
+        # as the patched model calls them: the active row's gradient also arrives apart (one more row)
+        *((f"predict_backward_v{v}_with_active", lambda v=v: kernels.predict_backward(
+            grad, streams, P, R, w, active, eps, scale, v, grad_active=grad_active), (3 * n + 1) * row)
+          for v in range(1, len(kernels.KERNELS["predict_backward"]) + 1)),
+        *((f"correct_backward_v{v}_with_active", lambda v=v: kernels.correct_backward(
+            grad, streams, activated, Q, R, w, active, eps, scale, v, grad_active=grad_active), (2 * n + 4) * row)
+          for v in range(1, len(kernels.KERNELS["correct_backward"]) + 1)),
         ("expand_epilogue", lambda: kernels.expand_epilogue(
             device, n, m, h, x0.data_ptr(), projected.data_ptr(), expanded.data_ptr(), floor),
          (1 + 2 * (n - 1) + n) * row),
@@ -243,7 +250,7 @@ def bench_kernels(reps, warmup, info):
             rows.append(dict(kernel=name, N=STREAMS, H=HIDDEN, tokens=tokens, compulsory_bytes=nbytes,
                              gpu_median_us=f"{ours:.1f}", copy_floor_us=f"{floor:.1f}",
                              vs_copy_floor=f"{ours / floor:.2f}", tbps=f"{nbytes / ours / 1e6:.2f}", **info))
-            print(f"{name:>26} M={tokens}: {ours:.1f} us, copy floor {floor:.1f} us ({ours / floor:.2f}x)",
+            print(f"{name:>36} M={tokens}: {ours:.1f} us, copy floor {floor:.1f} us ({ours / floor:.2f}x)",
                   flush=True)
         torch.cuda.empty_cache()
     return rows

@@ -136,9 +136,9 @@ def test_every_gemma3n_kernel_instance_is_compiled():
     streams = _sources.SUPPORTED_STREAMS
     params = {
         "predict_forward": [(n, a) for n in streams for a in range(n)],
-        "predict_backward": [(n, a) for n in streams for a in range(n)],
+        "predict_backward": [(n, a, given) for n in streams for a in range(n) for given in ("false", "true")],
         "correct_forward": [(n, a) for n in streams for a in range(n)],
-        "correct_backward": [(n, a) for n in streams for a in range(n)],
+        "correct_backward": [(n, a, given) for n in streams for a in range(n) for given in ("false", "true")],
         "router_grads": [(n,) for n in streams],
         "expand_forward": [(n,) for n in streams],
         "magnitude_match_backward": [(n, t) for n in streams for t in ("float", "unsigned short")],

@@ -15,7 +15,8 @@
 // Only the active prediction row is read in the backward: the other rows do not reach a gradient.
 // Where the model reads the corrected active row through a tensor of its own (`active_corrected`,
 // the forward's optional second output), its gradient arrives apart (`grad_active`) and is added
-// to g_a as it is loaded, rounded as autograd's bf16 addition would round it.
+// to g_a as it is loaded, rounded as autograd's bf16 addition would round it; whether it is given
+// is a template argument (kActive), so the kernel without it loads and tests nothing more.
 #include "common.cuh"
 #include "altup_rows.cuh"
 
@@ -62,10 +63,10 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_correct_forward_v1(
     }
 }
 
-template <int N, int A, typename Sums>
+template <int N, int A, bool kActive, typename Sums>
 __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward(
     const unsigned short* __restrict__ grad_corrected,    // [N, M, H] bf16
-    const unsigned short* __restrict__ grad_active,       // [M, H] bf16, added to row A; nullptr: none
+    const unsigned short* __restrict__ grad_active,       // [M, H] bf16, added to row A; read where kActive
     const unsigned short* __restrict__ predictions,       // [N, M, H] bf16 (row A read)
     const unsigned short* __restrict__ activated,         // [M, H] bf16
     const unsigned short* __restrict__ correction_coefs,  // [N, N] bf16
@@ -91,13 +92,11 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward(
         float g[N][kVec], x[kVec], pred_a[kVec];
 #pragma unroll
         for (int i = 0; i < N; ++i) slice.load(grad_corrected + i * plane + t * hidden, g[i]);
-        // Every load of the token is issued before anything waits on one: without grad_active the
-        // extra load reads g_A again (a valid address, no branch between the loads) and is unused.
         float extra[kVec];
-        slice.load(grad_active != nullptr ? grad_active + t * hidden : grad_corrected + A * plane + t * hidden, extra);
+        if (kActive) slice.load(grad_active + t * hidden, extra);
         slice.load(activated + t * hidden, x);
         slice.load(predictions + A * plane + t * hidden, pred_a);
-        if (grad_active != nullptr) {
+        if (kActive) {
 #pragma unroll
             for (int e = 0; e < kVec; ++e) g[A][e] += extra[e];
             round_bf16x8(g[A]);

@@ -17,7 +17,9 @@
 // Where the model reads the active prediction through a tensor of its own (`active_prediction`,
 // the forward's optional second output), its gradient arrives apart from g's (`grad_active`) and
 // is added to g_a as the rows are loaded, with the rounding of the bf16 addition autograd would
-// otherwise make in a pass of its own over all N rows.
+// otherwise make in a pass of its own over all N rows. Whether it is given is a template argument
+// (kActive): without it the kernel issues no extra load and tests no pointer (a runtime test and a
+// dummy load in every version cost 20-35% at M = 8192 on an H100).
 // and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
 // active index A is a template argument so that every row array is indexed by constants
 // (registers, no local memory).
@@ -67,7 +69,8 @@ __global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
     }
 }
 
-// Where a token's rows are in memory: row j of h and of g, and its row of grad_active (nullptr: none).
+// Where a token's rows are in memory: row j of h and of g, and its row of grad_active (read only
+// where kActive).
 struct TokenRows {
     const unsigned short* hidden_states;
     const unsigned short* grad_predictions;
@@ -80,10 +83,8 @@ struct TokenRows {
     __device__ __forceinline__ const unsigned short* g(const long long t, const int i) const {
         return grad_predictions + i * plane + t * hidden;
     }
-    // The row of grad_active, or (none given) g_A itself: a valid address either way, so the load
-    // issues with the others, no branch between them; its value is used only with grad_active.
     __device__ __forceinline__ const unsigned short* active_g(const long long t) const {
-        return grad_active == nullptr ? g(t, 0) : grad_active + t * hidden;
+        return grad_active + t * hidden;
     }
 };
 
@@ -98,7 +99,7 @@ struct TokenRows {
 // the rows of g pass through one at a time: once for the dot products, then once per output row
 // after the block reduction (N + N^2 loads a token). The first pass reads g through L1
 // (`load_reused`), so the later ones hit there instead of going back to memory.
-template <int N, int A>
+template <int N, int A, bool kActive>
 struct GradRowsReloaded {
     float rows_h[N][kVec];
     RowSlice slice;
@@ -107,8 +108,8 @@ struct GradRowsReloaded {
     long long plane;
     __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const TokenRows& rows, const long long t,
                                                 const uint4*)
-        : slice(slice), grad_row(rows.g(t, 0)),
-          active_grad_row(rows.grad_active == nullptr ? nullptr : rows.active_g(t)), plane(rows.plane) {
+        : slice(slice), grad_row(rows.g(t, 0)), active_grad_row(kActive ? rows.active_g(t) : nullptr),
+          plane(rows.plane) {
 #pragma unroll
         for (int j = 0; j < N; ++j) slice.load(rows.h(t, j), rows_h[j]);
     }
@@ -119,7 +120,7 @@ struct GradRowsReloaded {
     }
     __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const {
         slice.load_reused(grad_row + i * plane, out);
-        if (i == A && active_grad_row != nullptr) {
+        if (kActive && i == A) {
             float extra[kVec];
             slice.load_reused(active_grad_row, extra);
 #pragma unroll
@@ -132,7 +133,7 @@ struct GradRowsReloaded {
 // v3: both sets of rows stay packed as loaded, 4 registers a row: 8 N registers hold all 2N rows
 // (v1 and v2 spend 8 N on h alone), so g is read once, straight from memory, and unpacked (exactly)
 // where it is used.
-template <int N, int A>
+template <int N, int A, bool kActive>
 struct PackedRows {
     uint4 rows_h[N], rows_g[N];
     __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t,
@@ -142,8 +143,7 @@ struct PackedRows {
             rows_h[j] = slice.load_packed(rows.h(t, j));
             rows_g[j] = slice.load_packed(rows.g(t, j));
         }
-        const uint4 extra = slice.load_packed(rows.active_g(t));
-        if (rows.grad_active != nullptr) rows_g[A] = add_bf16x8(rows_g[A], extra);
+        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], slice.load_packed(rows.active_g(t)));
     }
     __device__ __forceinline__ static void stage(const RowSlice&, const TokenRows&, const long long, uint4*) {}
     __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
@@ -158,9 +158,9 @@ struct PackedRows {
 // run, so a token no longer opens with the full latency of its loads. Thread x owns the 16-byte
 // slots x, x + blockDim.x, ... (one a row): it reads only what it copied, so no barrier is needed;
 // it issues the next copy only after this token's rows were consumed (after the block reduction).
-// Shared memory: (2N + 1) * blockDim.x * 16 bytes after the weight sums.
-template <int N, int A>
-struct StagedRows : PackedRows<N, A> {
+// Shared memory: (2N + kActive) * blockDim.x * 16 bytes after the weight sums.
+template <int N, int A, bool kActive>
+struct StagedRows : PackedRows<N, A, kActive> {
     __device__ __forceinline__ StagedRows(const RowSlice& slice, const TokenRows& rows, const long long,
                                           const uint4* staging) {
         cp_async_wait_all();
@@ -170,7 +170,7 @@ struct StagedRows : PackedRows<N, A> {
             this->rows_h[j] = slice.active ? staging[j * blockDim.x + threadIdx.x] : zero;
             this->rows_g[j] = slice.active ? staging[(N + j) * blockDim.x + threadIdx.x] : zero;
         }
-        if (rows.grad_active != nullptr && slice.active) {
+        if (kActive && slice.active) {
             this->rows_g[A] = add_bf16x8(this->rows_g[A], staging[2 * N * blockDim.x + threadIdx.x]);
         }
     }
@@ -182,15 +182,15 @@ struct StagedRows : PackedRows<N, A> {
             cp_async16(staging + j * blockDim.x + threadIdx.x, rows.h(t, j) + slice.d0);
             cp_async16(staging + (N + j) * blockDim.x + threadIdx.x, rows.g(t, j) + slice.d0);
         }
-        cp_async16(staging + 2 * N * blockDim.x + threadIdx.x, rows.active_g(t) + slice.d0);
+        if (kActive) cp_async16(staging + 2 * N * blockDim.x + threadIdx.x, rows.active_g(t) + slice.d0);
         cp_async_commit();
     }
 };
 
-template <int N, int A, typename Sums, template <int, int> class Rows>
+template <int N, int A, bool kActive, typename Sums, template <int, int, bool> class Rows>
 __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
-    const unsigned short* __restrict__ grad_active,       // [M, H] bf16, added to row A; nullptr: none
+    const unsigned short* __restrict__ grad_active,       // [M, H] bf16, added to row A; read where kActive
     const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
     const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
     const unsigned short* __restrict__ router_weight,     // [N, H] bf16
@@ -212,10 +212,10 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     uint4* staging = reinterpret_cast<uint4*>(S + Sums::floats(N, hidden));
     clear_weight_sums<N, Sums>(S, slice, hidden);
     const TokenRows token_rows{hidden_states, grad_predictions, grad_active, plane, hidden};
-    if (blockIdx.x < tokens) Rows<N, A>::stage(slice, token_rows, blockIdx.x, staging);
+    if (blockIdx.x < tokens) Rows<N, A, kActive>::stage(slice, token_rows, blockIdx.x, staging);
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const Rows<N, A> rows(slice, token_rows, t, staging);
+        const Rows<N, A, kActive> rows(slice, token_rows, t, staging);
         float sums[kSums];
         {
             float ha[kVec];
@@ -235,7 +235,7 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
             }
         }
         block_sum_spread(sums, scratch);
-        if (t + gridDim.x < tokens) Rows<N, A>::stage(slice, token_rows, t + gridDim.x, staging);
+        if (t + gridDim.x < tokens) Rows<N, A, kActive>::stage(slice, token_rows, t + gridDim.x, staging);
         const float* Ap = sums + 1;
         const float* G = sums + 1 + N;
         const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);
