@@ -172,10 +172,7 @@ _ROWS = {"ROW_THREADS_MAX": ROW_THREADS_MAX}
 # predict backward, where a token's rows live (kernels/altup_predict_v1.cu). Version v is entry
 # v - 1, oldest first.
 PREDICT_BACKWARD_VERSIONS = (("RowMajorSums", "GradRowsReloaded"), ("SliceMajorSums", "GradRowsReloaded"),
-                             ("SliceMajorSums", "PackedRows"), ("SliceMajorSums", "StagedRows"))
-# What a version's Rows argument adds to its dynamic shared memory: 16 bytes a thread for each of
-# its staged rows (the token's 2N rows and its row of grad_active).
-STAGED_ROWS = "StagedRows"
+                             ("SliceMajorSums", "PackedRows"))
 CORRECT_BACKWARD_VERSIONS = (("RowMajorSums",), ("SliceMajorSums",))
 
 

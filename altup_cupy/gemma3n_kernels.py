@@ -101,8 +101,7 @@ KERNELS = {
     # <N, active index>
     "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 6 + _FORWARD_TAIL),),
     # <N, active index, grad_active given, weight-sum layout, row storage>: v1 row-major sums (8-way bank conflicts),
-    # v2 slice-major, v3 slice-major with the token's rows packed in registers (g read once), v4 v3
-    # with the next token's rows copied into shared memory while this one is worked on
+    # v2 slice-major, v3 slice-major with the token's rows packed in registers (g read once)
     "predict_backward": _routed_backward_versions(_sources.ALTUP_PREDICT_V1, "altup_predict_backward",
                                                   _PTR * 8 + _BACKWARD_TAIL, _sources.PREDICT_BACKWARD_VERSIONS),
     "correct_forward": (RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 7 + _FORWARD_TAIL),),
@@ -217,15 +216,11 @@ def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
     return _ROUTED_DEFAULTS[key]
 
 
-def _dynamic_shared_bytes(entry: RowKernel, streams: int, hidden: int, active: bool = True) -> int:
+def _dynamic_shared_bytes(entry: RowKernel, streams: int, hidden: int) -> int:
     """The dynamic shared memory of a predict or correct backward version: its weight-gradient
     sums (its first fixed template argument), N * H floats row-major or 8 N planes of
-    ROW_THREADS_MAX floats slice-major (kernels/altup_rows.cuh), then for staged rows (the
-    predict backward's v4) 16 bytes a thread for each of the 2N rows it copies ahead, and one more
-    row where grad_active is given (`active`; the default sizes the larger, for `_routed_default`)."""
-    sums = 4 * streams * (hidden if entry.fixed[0] == "RowMajorSums" else 8 * _sources.ROW_THREADS_MAX)
-    staged = _sources.STAGED_ROWS in entry.fixed
-    return sums + (16 * (2 * streams + active) * _row_threads(hidden) if staged else 0)
+    ROW_THREADS_MAX floats slice-major (kernels/altup_rows.cuh)."""
+    return 4 * streams * (hidden if entry.fixed[0] == "RowMajorSums" else 8 * _sources.ROW_THREADS_MAX)
 
 
 def _routed_backward(step: str, version: int | None, active_idx: int, tensors: Sequence[torch.Tensor],
@@ -246,8 +241,7 @@ def _routed_backward(step: str, version: int | None, active_idx: int, tensors: S
     active = tensors[1] is not None  # grad_active: a template argument, no test or load without it
     _launch(step, (streams, active_idx, _CPP_BOOL[active]), device, blocks, threads,
             (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden, eps, router_scale),
-            shared_mem=_dynamic_shared_bytes(KERNELS[step][version - 1], streams, hidden, active),
-            version=version)
+            shared_mem=_dynamic_shared_bytes(KERNELS[step][version - 1], streams, hidden), version=version)
     return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
 
 

@@ -165,10 +165,10 @@ def test_a_gemma3n_kernel_version_outside_the_registry_is_refused():
 
 
 @pytest.mark.parametrize("shared_per_sm, streams, predict_version, correct_version", [
-    (228 * 1024, 4, 4, 2),  # sm_90: two blocks of slice-major sums (48 KiB) and v4's staged rows (36 KiB) fit
-    (164 * 1024, 4, 3, 2),  # sm_80: the staged rows would leave one block an SM
+    (228 * 1024, 4, 3, 2),  # sm_90: two blocks of slice-major sums (48 KiB) fit
+    (164 * 1024, 4, 3, 2),  # sm_80
     (100 * 1024, 4, 1, 1),  # sm_86, sm_89: slice-major would leave one block an SM, v1 keeps two
-    (100 * 1024, 3, 3, 2),  # slice-major sums take 36 KiB at N = 3, with staged rows 64 KiB
+    (100 * 1024, 3, 3, 2),  # slice-major sums take 36 KiB at N = 3
 ])
 def test_the_routed_backward_default_keeps_two_blocks_an_sm(monkeypatch, shared_per_sm, streams, predict_version,
                                                             correct_version):

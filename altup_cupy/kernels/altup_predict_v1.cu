@@ -12,8 +12,9 @@
 //   (S accumulates in dynamic shared memory, laid out by the template argument Sums,
 //   altup_rows.cuh; the token's rows are kept as the template argument Rows says, below). The
 //   backward's versions: v1 <RowMajorSums, GradRowsReloaded>, v2 <SliceMajorSums,
-//   GradRowsReloaded>, v3 <SliceMajorSums, PackedRows>, v4 <SliceMajorSums, StagedRows>; all give
-//   the same bits.
+//   GradRowsReloaded>, v3 <SliceMajorSums, PackedRows>; all give the same bits. (A v4 that copied
+//   the block's next token into shared memory by cp.async while this one was worked on measured
+//   slower than v3 at every M once v3 no longer paid for a runtime grad_active test: removed.)
 // Where the model reads the active prediction through a tensor of its own (`active_prediction`,
 // the forward's optional second output), its gradient arrives apart from g's (`grad_active`) and
 // is added to g_a as the rows are loaded, with the rounding of the bf16 addition autograd would
@@ -90,10 +91,7 @@ struct TokenRows {
 
 // Where the backward keeps a token's rows, one policy per kernel version (the template argument
 // Rows); `h(j, out)` and `g(i, out)` give row j of h and row i of g unpacked to fp32, g_A with
-// this token's row of grad_active added. Each is built for token t by Rows(slice, rows, t,
-// staging); `Rows::stage(slice, rows, t, staging)` is called once the current token's rows are
-// consumed, with the block's next token (v4 copies it into shared memory meanwhile; the others
-// read memory when built and stage nothing).
+// this token's row of grad_active added. Each is built for token t by Rows(slice, rows, t).
 //
 // v1, v2: registers bound the blocks per SM, so a thread holds the N rows of h unpacked and lets
 // the rows of g pass through one at a time: once for the dot products, then once per output row
@@ -106,14 +104,12 @@ struct GradRowsReloaded {
     const unsigned short* grad_row;  // this token's g_0
     const unsigned short* active_grad_row;
     long long plane;
-    __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const TokenRows& rows, const long long t,
-                                                const uint4*)
+    __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const TokenRows& rows, const long long t)
         : slice(slice), grad_row(rows.g(t, 0)), active_grad_row(kActive ? rows.active_g(t) : nullptr),
           plane(rows.plane) {
 #pragma unroll
         for (int j = 0; j < N; ++j) slice.load(rows.h(t, j), rows_h[j]);
     }
-    __device__ __forceinline__ static void stage(const RowSlice&, const TokenRows&, const long long, uint4*) {}
     __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) out[e] = rows_h[j][e];
@@ -136,8 +132,7 @@ struct GradRowsReloaded {
 template <int N, int A, bool kActive>
 struct PackedRows {
     uint4 rows_h[N], rows_g[N];
-    __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t,
-                                          const uint4*) {
+    __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t) {
 #pragma unroll
         for (int j = 0; j < N; ++j) {
             rows_h[j] = slice.load_packed(rows.h(t, j));
@@ -145,46 +140,8 @@ struct PackedRows {
         }
         if (kActive) rows_g[A] = add_bf16x8(rows_g[A], slice.load_packed(rows.active_g(t)));
     }
-    __device__ __forceinline__ static void stage(const RowSlice&, const TokenRows&, const long long, uint4*) {}
     __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
     __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { unpack_bf16x8(rows_g[i], out); }
-
-  protected:
-    PackedRows() = default;
-};
-
-// v4: v3's packed rows, built from shared memory: the block's next token's 2N rows (and its row of
-// grad_active) are copied there by cp.async while this token's reduction, outputs and weight sums
-// run, so a token no longer opens with the full latency of its loads. Thread x owns the 16-byte
-// slots x, x + blockDim.x, ... (one a row): it reads only what it copied, so no barrier is needed;
-// it issues the next copy only after this token's rows were consumed (after the block reduction).
-// Shared memory: (2N + kActive) * blockDim.x * 16 bytes after the weight sums.
-template <int N, int A, bool kActive>
-struct StagedRows : PackedRows<N, A, kActive> {
-    __device__ __forceinline__ StagedRows(const RowSlice& slice, const TokenRows& rows, const long long,
-                                          const uint4* staging) {
-        cp_async_wait_all();
-        const uint4 zero = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-            this->rows_h[j] = slice.active ? staging[j * blockDim.x + threadIdx.x] : zero;
-            this->rows_g[j] = slice.active ? staging[(N + j) * blockDim.x + threadIdx.x] : zero;
-        }
-        if (kActive && slice.active) {
-            this->rows_g[A] = add_bf16x8(this->rows_g[A], staging[2 * N * blockDim.x + threadIdx.x]);
-        }
-    }
-    __device__ __forceinline__ static void stage(const RowSlice& slice, const TokenRows& rows, const long long t,
-                                                 uint4* staging) {
-        if (!slice.active) return;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-            cp_async16(staging + j * blockDim.x + threadIdx.x, rows.h(t, j) + slice.d0);
-            cp_async16(staging + (N + j) * blockDim.x + threadIdx.x, rows.g(t, j) + slice.d0);
-        }
-        if (kActive) cp_async16(staging + 2 * N * blockDim.x + threadIdx.x, rows.active_g(t) + slice.d0);
-        cp_async_commit();
-    }
 };
 
 template <int N, int A, bool kActive, typename Sums, template <int, int, bool> class Rows>
@@ -208,14 +165,12 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
     const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
     const long long plane = tokens * hidden;
 
-    extern __shared__ float S[];  // in the layout Sums (altup_rows.cuh), then v4's staged rows
-    uint4* staging = reinterpret_cast<uint4*>(S + Sums::floats(N, hidden));
+    extern __shared__ float S[];  // in the layout Sums (altup_rows.cuh)
     clear_weight_sums<N, Sums>(S, slice, hidden);
     const TokenRows token_rows{hidden_states, grad_predictions, grad_active, plane, hidden};
-    if (blockIdx.x < tokens) Rows<N, A, kActive>::stage(slice, token_rows, blockIdx.x, staging);
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const Rows<N, A, kActive> rows(slice, token_rows, t, staging);
+        const Rows<N, A, kActive> rows(slice, token_rows, t);
         float sums[kSums];
         {
             float ha[kVec];
@@ -235,7 +190,6 @@ __global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
             }
         }
         block_sum_spread(sums, scratch);
-        if (t + gridDim.x < tokens) Rows<N, A, kActive>::stage(slice, token_rows, t + gridDim.x, staging);
         const float* Ap = sums + 1;
         const float* G = sums + 1 + N;
         const RouterScalars<N> route(sums[0], Ap, hidden, eps, router_scale);

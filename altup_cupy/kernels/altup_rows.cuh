@@ -173,7 +173,6 @@ __device__ __forceinline__ void load_small_matrix(const unsigned short* src, flo
 // lanes of a warp, reading element e, touch words 8 apart: 4 of the 32 banks, 8 lanes per bank,
 // 8 shared-memory wavefronts per access instead of 1.
 struct RowMajorSums {
-    __device__ __forceinline__ static int floats(const int streams, const int hidden) { return streams * hidden; }
     __device__ __forceinline__ static float& at(float* S, const int n, const int e, const RowSlice& slice,
                                                 const int hidden) {
         return S[n * hidden + slice.d0 + e];
@@ -185,7 +184,6 @@ struct RowMajorSums {
 // plane stride is a constant, not blockDim.x, so every access is one base register plus an
 // immediate offset (with blockDim.x, <4, 0> of the correct backward spilled at 128 registers).
 struct SliceMajorSums {
-    __device__ __forceinline__ static int floats(const int streams, const int) { return streams * kVec * kRowThreadsMax; }
     __device__ __forceinline__ static float& at(float* S, const int n, const int e, const RowSlice&, const int) {
         return S[(n * kVec + e) * kRowThreadsMax + threadIdx.x];
     }
