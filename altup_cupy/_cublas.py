@@ -30,8 +30,8 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 PREF_MAX_WORKSPACE_BYTES = 1
-# The most workspace an algorithm may ask for by default (split-K at small M wants some); the
-# caller allocates what the chosen algorithm needs, `Gemm.workspace_bytes`.
+# The most workspace an algorithm may ask for (split-K at small M wants some); the caller
+# allocates what the chosen algorithm needs, `Gemm.workspace_bytes`.
 MAX_WORKSPACE_BYTES = 32 << 20
 
 # cuBLASLt reads alpha and beta through host pointers (the descriptor's default pointer mode):
@@ -105,14 +105,13 @@ class Gemm:
     [cols, inner] (nn.Linear's weight layout), else [inner, cols]. ldx, ldy, ldd: row strides in
     elements (None: the stored row length). batch > 1: that many products, operand b at
     b * <operand>_batch_stride elements (0 repeats one operand). accumulate: D += product
-    (beta = 1; cuBLASLt reads C = D in place), else D = product. max_workspace_bytes: the most
-    workspace the chosen algorithm may need."""
+    (beta = 1; cuBLASLt reads C = D in place), else D = product."""
 
     def __init__(self, *, rows: int, cols: int, inner: int, x_transposed: bool = False,
                  y_transposed: bool = True, ldx: int | None = None, ldy: int | None = None,
                  ldd: int | None = None, out_dtype: torch.dtype = torch.float32, batch: int = 1,
                  x_batch_stride: int = 0, y_batch_stride: int = 0, d_batch_stride: int = 0,
-                 accumulate: bool = False, max_workspace_bytes: int = MAX_WORKSPACE_BYTES):
+                 accumulate: bool = False):
         lt = _library()
         self.rows = rows
         ldx = ldx or (rows if x_transposed else inner)
@@ -137,7 +136,7 @@ class Gemm:
         preference = ctypes.c_void_p()
         _check(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
         _set(lt.cublasLtMatmulPreferenceSetAttribute, preference, PREF_MAX_WORKSPACE_BYTES,
-             ctypes.c_uint64(max_workspace_bytes))
+             ctypes.c_uint64(MAX_WORKSPACE_BYTES))
         result, found = _HeuristicResult(), ctypes.c_int(0)
         _check(lt.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, 1,
                                                  ctypes.byref(result), ctypes.byref(found)),

@@ -25,11 +25,6 @@ MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in 
 # Offsets within one call's scratch allocation (cuBLASLt wants 256-byte aligned operands for its
 # fastest kernels).
 SCRATCH_ALIGNMENT = 256
-# The most cuBLASLt workspace one of the ops' GEMMs may use. It is allocated with the call's
-# scratch, in the step's own memory (transformers' GEMMs share torch's one persistent workspace):
-# with cuBLASLt's 32 MiB the heuristic picks split-K at a few hundred tokens and a 1 x 256 training
-# step under CUDA graphs held two 24 MiB workspaces at its peak.
-GEMM_WORKSPACE_BYTES = 4 << 20
 # Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
 # registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
@@ -286,11 +281,6 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
     return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
 
 
-def _gemm(device: int, **shape) -> _cublas.Gemm:
-    """A GEMM of the model's ops, its workspace capped at GEMM_WORKSPACE_BYTES."""
-    return _cublas.plan(device, max_workspace_bytes=GEMM_WORKSPACE_BYTES, **shape)
-
-
 def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
     """One call's intermediates and cuBLASLt workspace, one allocation (at least 1 byte, so its
     address is real). Callers hold the tensor until they return: the launches that use its address
@@ -314,7 +304,7 @@ def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float
     out = torch.empty((streams, *embeddings.shape), dtype=embeddings.dtype, device=embeddings.device)
     with _device.on(device):
         # y_k = x0 W_k^T into its column block of the [M, (N-1) H] rows
-        project = _gemm(device, rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
+        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
         scratch = _scratch(project.workspace_bytes, embeddings.device)
         workspace = scratch.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(device)
@@ -359,10 +349,10 @@ def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor
     device = embeddings.get_device()
     with _device.on(device):
         # grad_x0 = grad_base + sum_k gp_k W_k, summed in fp32 into grad_base, rounded once
-        to_base = _gemm(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False, ldx=wide,
+        to_base = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False, ldx=wide,
                                accumulate=True)
         # grad W_k = gp_k^T x0, one batched call: gp_k is the k-th column block, x0 the same for all k
-        to_weights = _gemm(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
                                   y_transposed=False, ldx=wide, out_dtype=embeddings.dtype, batch=streams - 1,
                                   x_batch_stride=hidden, d_batch_stride=hidden * hidden)
         grad_base = torch.empty(embeddings.shape, dtype=torch.float32, device=embeddings.device)
@@ -389,11 +379,11 @@ def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Te
     plane = tokens * hidden  # one stream's rows
     device = hidden_states.get_device()
     with _device.on(device):
-        project = _gemm(device, rows=tokens, cols=hidden, inner=hidden)  # y_k = s_k U_k^T, fp32
-        to_streams = _gemm(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False,
+        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden)  # y_k = s_k U_k^T, fp32
+        to_streams = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False,
                                   out_dtype=hidden_states.dtype)  # grad s_k = gp_k U_k
         # grad U_k = gp_k^T s_k, one batched call over k
-        to_weights = _gemm(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
                                   y_transposed=False, out_dtype=hidden_states.dtype, batch=streams - 1,
                                   x_batch_stride=plane, y_batch_stride=plane, d_batch_stride=hidden * hidden)
         grad_s = torch.empty_like(hidden_states)
