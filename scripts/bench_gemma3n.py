@@ -301,16 +301,20 @@ def main() -> int:
     status = 0 if args.no_tests else run_tests(args.quick, args.out.with_name("gemma3n_gpu_tests.log"))
     reps, warmup = (5, 2) if args.quick else (20, 3)
     info = run_info()
+    written = []
     if "kernels" in args.parts:
-        write_csv(bench_kernels(reps, warmup, info), args.out.with_name("gemma3n_kernels.csv"), KERNEL_COLUMNS)
+        written.append(args.out.with_name("gemma3n_kernels.csv"))
+        write_csv(bench_kernels(reps, warmup, info), written[-1], KERNEL_COLUMNS)
     rows = []
     if "altup_step" in args.parts:
         rows += bench_altup_step(QUICK_SHAPES if args.quick else SHAPES, reps, warmup, info)
     if "model_step" in args.parts:
         rows += bench_model_step(reps, warmup, info)
     if rows:
+        written.append(args.out)
         write_csv(rows, args.out, COLUMNS)
-    print(f"wrote {args.out}; tests {'passed' if status == 0 else 'FAILED (see the log)'}")
+    tests = "not run (--no-tests)" if args.no_tests else "passed" if status == 0 else "FAILED (see the log)"
+    print(f"wrote {', '.join(map(str, written)) or 'nothing'}; tests {tests}")
     return status
 
 
