@@ -19,6 +19,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ._sources import SUPPORTED_STREAMS
+
 # The kernels read and write rows with 16-byte vector accesses (and the bulk-copy engine), which
 # fault on a misaligned address: a view into a larger tensor can start anywhere.
 VECTOR_ALIGNMENT = 16
@@ -79,8 +81,6 @@ def _shape_error(name: str, t: torch.Tensor, shape: Sequence[int | None], dims: 
 def check_streams_and_width(name: str, streams: int, hidden: int, hidden_dim: str = "dim 3") -> None:
     """N (dim 0 of `name`) is a stream count the kernels are built for, and the rows split into
     whole 16-byte (8-element) slices."""
-    from ._sources import SUPPORTED_STREAMS
-
     if streams not in SUPPORTED_STREAMS:
         raise ValueError(f"{name} must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
     if hidden % 8:
