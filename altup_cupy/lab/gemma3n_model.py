@@ -48,7 +48,8 @@ each case finishes, so a run cut short keeps its rows and several invocations ca
 - peak_mib: the memory the step needs beyond what was allocated before it (weights, inputs; no
   gradients): peak allocated during one step after warm-up minus allocated just before it. CUDA
   graph replays allocate nothing, so for reduce_overhead it is the larger of that and the peak over
-  the warm-up steps (which record the graphs into their memory pool);
+  the warm-up steps (which record the graphs into their memory pool). Each case starts from the
+  same state: no compiled code, no cached blocks, no cuBLAS workspace (`_release`);
 - git_sha: env ALTUP_GIT_SHA, else `git rev-parse --short=12 HEAD` of the checkout; date: UTC, at
   the start of the invocation.
 On the CPU (--device cpu) gpu_ms and peak_mib are blank and wall_ms is the host time of a step;
@@ -424,6 +425,12 @@ def _release() -> None:
     torch._dynamo.reset()  # first: it drops the compiled graphs and CUDA graph pools holding memory
     gc.collect()
     if torch.cuda.is_available():
+        # cuBLAS keeps a workspace per stream for the life of the process, and CUDA graph trees free
+        # them while they warm up and record: a workspace left by an earlier case would count in the
+        # next case's baseline and then leave it, so that case's reduce-overhead peak would come out
+        # lower by the workspaces' size (64 MiB on an H100) than the same case run first. Every case
+        # starts without them.
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
 
