@@ -52,7 +52,7 @@ class CorrectGradients(NamedTuple):
 def _addresses(*tensors: torch.Tensor | None) -> tuple[int, ...]:
     """The device addresses of `tensors`, the kernels' pointer arguments (None: a null pointer, an
     optional argument left out)."""
-    return tuple([0 if t is None else t.data_ptr() for t in tensors])
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
 def _row_threads(hidden: int) -> int:
@@ -188,7 +188,7 @@ def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight,
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     tokens = hidden_states.numel() // (streams * hidden)
     out = torch.empty_like(hidden_states)
-    active = hidden_states.new_empty(hidden_states.shape[1:]) if with_active else None
+    active = torch.empty_like(hidden_states[0]) if with_active else None
     _launch("predict_forward", (streams, active_idx), hidden_states.get_device(), tokens, _row_threads(hidden),
             (*_addresses(hidden_states, prediction_coefs, router_weight, norm_weight, out, active),
              tokens, hidden, eps, router_scale))

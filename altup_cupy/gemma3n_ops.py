@@ -139,13 +139,11 @@ def _kernels_take(streams_t: torch.Tensor, active_idx, others: Sequence[torch.Te
     n, b, s, h = shape
     if n not in cuda.STREAMS or h % 8 or h > cuda.MAX_HIDDEN or not 0 <= active_idx < n:
         return False
-    if streams_t.dtype != BF16 or not streams_t.is_contiguous() or streams_t.data_ptr() % 16:
-        return False
     wanted = shapes(n, b, s, h)
     if len(others) != len(wanted):
         return False
     device = streams_t.get_device()
-    for t, want in zip(others, wanted):
+    for t, want in zip((streams_t, *others), (shape, *wanted)):
         if (t.dtype != BF16 or t.shape != want or t.get_device() != device or not t.is_contiguous()
                 or t.data_ptr() % 16):
             return False
