@@ -11,7 +11,8 @@
     out       = collapse(streams, [U_1, .., U_{N-1}])       # model output: one hidden state
 
 Each is one custom operator of the `altup_cupy` namespace (see `gemma3n_ops`) with its backward
-registered through torch.library.register_autograd, so they compose with torch.compile
+registered through `_operators.Operator.register_autograd` (torch.library.register_autograd's
+kernel, and a shortcut for calls that record no gradient), so they compose with torch.compile
 (fullgraph) and CUDA graphs, and their CUDA backwards are bitwise deterministic. predict and
 correct are separate autograd nodes: in the model `activated` is computed from the active
 prediction, and autograd runs the layer's backward between them. Gradients come back in each
@@ -34,7 +35,8 @@ from typing import Sequence
 
 import torch
 
-from . import _arrays, gemma3n_ops  # noqa: F401  (gemma3n_ops registers the operators)
+from . import _arrays, gemma3n_ops
+from .ops.collapse import collapse_op
 from .reference.gemma3n import MAGNITUDE_FLOOR
 
 _ops = torch.ops.altup_cupy
@@ -69,7 +71,7 @@ def _register_routed_autograd(op: str, step: str) -> None:
                             grad_active=grad_active)
         return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
 
-    torch.library.register_autograd(f"altup_cupy::{op}", backward, setup_context=setup_context)
+    getattr(gemma3n_ops, op).register_autograd(backward, setup_context)
 
 
 # ---- predict -----------------------------------------------------------------------------------
@@ -136,7 +138,7 @@ def _expand_backward(ctx, grad_streams, _grad_projected):
     return _like(grad_x0, embeddings), [_like(g, w) for g, w in zip(grad_w.unbind(), projections)], None
 
 
-torch.library.register_autograd("altup_cupy::expand", _expand_backward, setup_context=_expand_setup)
+gemma3n_ops.expand.register_autograd(_expand_backward, _expand_setup)
 
 
 def expand(embeddings: torch.Tensor, projections: Sequence[torch.Tensor],
@@ -162,7 +164,7 @@ def _collapse_backward(ctx, grad):
             *([None] * (len(ctx.needs_input_grad) - 2)))
 
 
-torch.library.register_autograd("altup_cupy::collapse", _collapse_backward, setup_context=_collapse_setup)
+collapse_op.register_autograd(_collapse_backward, _collapse_setup)
 
 
 def collapse(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],

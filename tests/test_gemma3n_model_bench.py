@@ -139,7 +139,7 @@ def test_token_ids_stay_inside_both_vocabularies():
     assert torch.equal(ids, bench.text_token_ids(e2b, 8, 1024, 0))
 
 
-def test_op_registration_probe_times_both_registrations_on_cpu():
+def test_op_registration_probe_times_every_registration_on_cpu():
     """altup_cupy.lab.op_registration: a row per registration and autograd setting, and the
     shipped operators' rows, every time positive (the probe operators register under their own
     namespace, so measuring twice in one process must work too)."""
@@ -148,7 +148,7 @@ def test_op_registration_probe_times_both_registrations_on_cpu():
     for _ in range(2):
         rows = op_registration.measure("cpu", number=5)
         assert [(r["registration"], r["autograd"]) for r in rows] == [
-            ("custom_op", 0), ("custom_op", 1), ("Library", 0), ("Library", 1),
+            ("custom_op", 0), ("custom_op", 1), ("Library", 0), ("Library", 1), ("Operator", 0), ("Operator", 1),
             ("altup_cupy.torch.predict", 0), ("altup_cupy.torch.correct", 0),
             ("altup_cupy.torch.predict", 1), ("altup_cupy.torch.correct", 1)]
         assert all(r["us_per_call"] > 0 for r in rows)

@@ -65,6 +65,39 @@ def test_with_active_forms_gradcheck_and_match_the_views(seeds, streams, active)
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_calls_that_record_no_gradient_go_straight_to_the_implementation(seeds, monkeypatch):
+    """The operators' autograd kernel (`_operators.Operator.register_autograd`) sends a call that
+    records no gradient on plain tensors straight to the implementation (no second dispatch), with
+    the values of the recorded call and no autograd node; a call that records one, and a fake
+    tensor's call, go through the dispatcher (to torch's autograd kernel, to the fake
+    implementation)."""
+    from altup_cupy.ops.collapse import collapse_op
+
+    x = random_altup_inputs(seeds(), 4, batch=1, seq=2, hidden=8)
+    h, P, R, w = _leaves(x.hidden_states, x.prediction_coefs, x.router_weight, x.norm_weight)
+    projections = _leaves(*torch.randn(3, 8, 8, dtype=torch.float64).unbind())
+    inputs = (h, P, R, w, *projections)
+    cases = {"predict": (gemma3n_ops.predict, lambda *t: altup.predict(*t[:4], 1, 1e-6)),
+             "collapse": (collapse_op, lambda *t: altup.collapse(t[0], t[4:]))}
+    for name, (operator, call) in cases.items():
+        straight = []
+        impl = operator.impl
+        monkeypatch.setattr(operator, "impl", lambda *args, **kwargs: straight.append(1) or impl(*args, **kwargs))
+        recorded = call(*inputs)
+        assert recorded.grad_fn is not None and not straight, name
+        with torch.no_grad():
+            unrecorded = call(*inputs)
+        plain = call(*(t.detach() for t in inputs))
+        assert len(straight) == 2, name
+        for result in (unrecorded, plain):
+            assert result.grad_fn is None and not result.requires_grad, name
+            assert torch.equal(result, recorded.detach()), name
+        detached = [t.detach() for t in inputs]
+        with FakeTensorMode() as mode:
+            fake = call(*(mode.from_tensor(t) for t in detached))
+        assert len(straight) == 2 and type(fake).__name__ == "FakeTensor" and fake.shape == recorded.shape, name
+
+
 @pytest.mark.parametrize("streams", (2, 3, 4))
 def test_expand_and_collapse_gradcheck(seeds, streams):
     x = random_altup_inputs(seeds(), streams, batch=1, seq=2, hidden=8)

@@ -1,5 +1,7 @@
 """What registering an operator costs on the host: `torch.library.custom_op` against a plain
-`torch.library.Library` registration (altup_cupy._operators), and the Gemma 3n operators as shipped.
+`torch.library.Library` registration, with torch's autograd kernel or with the package's
+(`altup_cupy._operators.Operator`, which skips torch's for calls that record no gradient), and the
+Gemma 3n operators as shipped.
 
     python -m altup_cupy.lab.op_registration            # on the GPU if there is one, else the CPU
 
@@ -14,6 +16,7 @@ results/<gpu or cpu>/op_registration.csv of the current directory.
 from __future__ import annotations
 
 import argparse
+import functools
 import timeit
 from pathlib import Path
 
@@ -22,8 +25,12 @@ import torch
 COLUMNS = ("registration", "autograd", "us_per_call", "device", "git_sha", "date")
 
 
+@functools.cache
 def _probe_ops():
-    """(custom_op, Library) registrations of one trivial operator, each differentiable."""
+    """(custom_op, Library, Operator) registrations of one trivial operator, each differentiable;
+    made once a process (a registration lives as long as its library, and the Operator's autograd
+    kernel keeps its library alive)."""
+    from .._operators import Operator
 
     @torch.library.custom_op("altup_cupy_probe::via_custom_op", mutates_args=())
     def via_custom_op(x: torch.Tensor, w: torch.Tensor, index: int, eps: float) -> torch.Tensor:
@@ -46,8 +53,13 @@ def _probe_ops():
     for name in ("via_custom_op", "via_library"):
         torch.library.register_autograd(f"altup_cupy_probe::{name}", backward, setup_context=setup_context,
                                         lib=library)
+    via_operator = Operator("via_operator(Tensor x, Tensor w, SymInt index, float eps) -> Tensor",
+                            lambda x, w, index, eps: torch.empty_like(x), library)
+    via_operator.register_fake(lambda x, w, index, eps: torch.empty_like(x))
+    via_operator.register_autograd(backward, setup_context)
     ops = torch.ops.altup_cupy_probe
-    return {"custom_op": ops.via_custom_op.default, "Library": ops.via_library.default}, library
+    return {"custom_op": ops.via_custom_op.default, "Library": ops.via_library.default,
+            "Operator": ops.via_operator.default}, library
 
 
 def _us_per_call(call, number: int) -> float:
@@ -59,7 +71,7 @@ def measure(device: str, number: int = 2000) -> list[dict]:
     """One row per registration and autograd setting: the best of 5 repeats of `number` calls."""
     from .. import torch as altup
 
-    probes, _library = _probe_ops()  # the Library object keeps its registrations alive
+    probes, _ = _probe_ops()
     x, w = torch.randn(4, 1, 1, 64, device=device), torch.randn(4, device=device)
     rows = []
     for name, op in probes.items():
