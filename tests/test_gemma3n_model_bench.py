@@ -54,6 +54,14 @@ def test_tiny_cpu_run_writes_one_row_per_case(tmp_path, op_calls):
         assert r["date"].endswith("Z")
     # Only the patched cases go through altup_cupy: (1 warm-up + 2 timed steps) x 2 tasks, 2 layers each.
     assert op_calls == {"predict": 12, "correct": 12, "expand": 6, "collapse": 6}
+    # the spread of each case beside it, under the same key, commit and date
+    spread_columns, spreads = _rows(bench.spread_path(out))
+    assert spread_columns == bench.SPREAD_COLUMNS
+    key = ("config", "task", "mode", "patched", "batch", "seq", "git_sha", "date")
+    assert [[s[k] for k in key] for s in spreads] == [[r[k] for k in key] for r in rows]
+    for r, s in zip(rows, spreads):
+        assert s["gpu_p10_ms"] == s["gpu_p90_ms"] == "" and s["reps"] == "2"
+        assert 0 < float(s["wall_p10_ms"]) <= float(r["wall_ms"]) <= float(s["wall_p90_ms"])
 
 
 def test_rows_append_resume_and_keep_their_header(tmp_path, capsys):
@@ -165,3 +173,26 @@ def test_speedup_table_counts_the_last_row_of_each_case(tmp_path):
     table = bench.speedup_table(path)
     assert "commits aaa, bbb (the last row of each case counts)" in table
     assert table.endswith("| mini | train | 8 x 1024 | 45.0 / 90.0 (2.00×) | — / 30.0 |")
+
+
+def test_p10_p90_interpolates_between_the_samples():
+    assert bench.p10_p90([5.0]) == (5.0, 5.0)
+    assert bench.p10_p90([1.0, 2.0]) == pytest.approx((1.1, 1.9))
+    assert bench.p10_p90([float(x) for x in range(11)]) == pytest.approx((1.0, 9.0))
+
+
+def test_spreads_belong_to_the_rows_that_count(tmp_path):
+    path = tmp_path / "gemma3n_model.csv"
+    case = dict(config="mini", task="train", mode="eager", batch=8, seq=1024, gpu_ms="1.0", wall_ms="2.0",
+                peak_mib="1.0")
+    spread = dict(config="mini", task="train", mode="eager", batch=8, seq=1024, gpu_p10_ms="0.9", gpu_p90_ms="1.1",
+                  wall_p10_ms="1.8", wall_p90_ms="2.2", reps=20)
+    for patched, sha, date in ((0, "aaa", "d1"), (1, "aaa", "d1"), (1, "bbb", "d2")):
+        bench.append_row(path, {**case, "patched": patched, "git_sha": sha, "date": date})
+    assert bench.recorded_spreads(path) == {}  # no spread file: an older run
+    for patched, sha, date in ((0, "aaa", "d1"), (1, "aaa", "d1")):  # the patched row of bbb has none
+        bench.append_row(bench.spread_path(path), {**spread, "patched": patched, "git_sha": sha, "date": date},
+                         bench.SPREAD_COLUMNS)
+    spreads = bench.recorded_spreads(path)
+    assert list(spreads) == [("mini", "train", "8", "1024", "eager", "0")]
+    assert bench.spread_path(path).name == "gemma3n_model_spread.csv"

@@ -52,6 +52,10 @@ each case finishes, so a run cut short keeps its rows and several invocations ca
   same state: no compiled code, no cached blocks, no cuBLAS workspace (`_release`);
 - git_sha: env ALTUP_GIT_SHA, else `git rev-parse --short=12 HEAD` of the checkout; date: UTC, at
   the start of the invocation.
+Beside it, `<out stem>_spread.csv` (`spread_path`) gets one row per case with the same key, git_sha
+and date, and how far the --reps steps spread: the 10th and 90th percentiles of the GPU and wall
+times (`SPREAD_COLUMNS`). A difference between a patched case and its unpatched twin that lies inside
+both ranges is not one a single run can tell apart.
 On the CPU (--device cpu) gpu_ms and peak_mib are blank and wall_ms is the host time of a step;
 the model runs in float32 and the patch serves CPU tensors through the operators' CPU reference
 (`patch(model, serve_cpu=True)`): a test of the benchmark's plumbing, not a measurement.
@@ -76,6 +80,8 @@ import torch
 
 COLUMNS = ("config", "task", "mode", "patched", "batch", "seq", "gpu_ms", "wall_ms", "peak_mib", "git_sha",
            "date")
+SPREAD_COLUMNS = ("config", "task", "mode", "patched", "batch", "seq", "gpu_p10_ms", "gpu_p90_ms", "wall_p10_ms",
+                  "wall_p90_ms", "reps", "git_sha", "date")
 CONFIGS = ("mini", "e2b", "tiny")
 TASKS = ("train", "prefill")
 MODES = ("eager", "compile", "reduce_overhead")
@@ -232,15 +238,27 @@ def make_step(model: torch.nn.Module, task: str, mode: str, batch: int, seq: int
 
 # ---- timing -----------------------------------------------------------------------------------------
 
+def p10_p90(samples: Sequence[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles of `samples` (interpolated between the samples; one sample is
+    both)."""
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    cuts = statistics.quantiles(samples, n=10, method="inclusive")
+    return cuts[0], cuts[-1]
+
+
 @dataclass
 class Measurement:
-    gpu_ms: float | None  # None on the CPU
-    wall_ms: float
+    gpu_ms: float | None  # median; None on the CPU
+    wall_ms: float  # median
     peak_mib: float | None  # None on the CPU
     host_syncs: int | None  # synchronising CUDA calls in one step; None on the CPU
+    gpu_spread: tuple[float, float] | None  # p10_p90 of the GPU times, ms; None on the CPU
+    wall_spread: tuple[float, float]  # p10_p90 of the wall times, ms
 
 
-def _wall_ms(step: Callable[[], None], reps: int, cuda: bool) -> float:
+def _wall_times(step: Callable[[], None], reps: int, cuda: bool) -> list[float]:
+    """`reps` wall times of one step, ms."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for _ in range(reps):
@@ -249,7 +267,7 @@ def _wall_ms(step: Callable[[], None], reps: int, cuda: bool) -> float:
         step()
         sync()
         times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return times
 
 
 def _clear_grads(model: torch.nn.Module) -> None:
@@ -288,7 +306,8 @@ def measure(model: torch.nn.Module, task: str, mode: str, batch: int, seq: int, 
     if not cuda:
         for _ in range(warmup):
             step()
-        return Measurement(None, _wall_ms(step, reps, cuda=False), None, None)
+        wall = _wall_times(step, reps, cuda=False)
+        return Measurement(None, statistics.median(wall), None, None, None, p10_p90(wall))
 
     from .bench import headstart_for, time_us
 
@@ -306,13 +325,15 @@ def measure(model: torch.nn.Module, task: str, mode: str, batch: int, seq: int, 
     # before each timed step is sized from the host's issue time of two steps.
     _, host_us = time_us(step, 2, 0)
     gpu_us, _ = time_us(step, reps, 0, headstart_cycles=headstart_for(max(host_us)))
-    wall = _wall_ms(step, reps, cuda=True)
+    wall = _wall_times(step, reps, cuda=True)
     peak = _peak_mib(step, model)
     if mode == "reduce_overhead":
         peak = max(peak, warmup_peak)
     syncs = _host_syncs(step)
     _clear_grads(model)
-    return Measurement(statistics.median(gpu_us) / 1e3, wall, peak, syncs)
+    gpu_ms = [us / 1e3 for us in gpu_us]
+    return Measurement(statistics.median(gpu_ms), statistics.median(wall), peak, syncs, p10_p90(gpu_ms),
+                       p10_p90(wall))
 
 
 # ---- cases, rows and the CSV -------------------------------------------------------------------------
@@ -349,12 +370,31 @@ def plan(configs: Sequence[str], tasks: Sequence[str] | None = None, modes: Sequ
     return cases
 
 
-def row(case: Case, m: Measurement, regional: bool, info: dict) -> dict:
-    def fmt(x, digits):
-        return "" if x is None else f"{x:.{digits}f}"
+def _fmt(x: float | None, digits: int) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def _case_key(case: Case, regional: bool) -> dict:
     return dict(config=case.config, task=case.task, mode=mode_label(case.mode, regional), patched=case.patched,
-                batch=case.batch, seq=case.seq, gpu_ms=fmt(m.gpu_ms, 3), wall_ms=fmt(m.wall_ms, 3),
-                peak_mib=fmt(m.peak_mib, 1), git_sha=info["git_sha"], date=info["date"])
+                batch=case.batch, seq=case.seq)
+
+
+def row(case: Case, m: Measurement, regional: bool, info: dict) -> dict:
+    return dict(**_case_key(case, regional), gpu_ms=_fmt(m.gpu_ms, 3), wall_ms=_fmt(m.wall_ms, 3),
+                peak_mib=_fmt(m.peak_mib, 1), git_sha=info["git_sha"], date=info["date"])
+
+
+def spread_row(case: Case, m: Measurement, regional: bool, reps: int, info: dict) -> dict:
+    gpu = m.gpu_spread or (None, None)
+    return dict(**_case_key(case, regional), gpu_p10_ms=_fmt(gpu[0], 3), gpu_p90_ms=_fmt(gpu[1], 3),
+                wall_p10_ms=_fmt(m.wall_spread[0], 3), wall_p90_ms=_fmt(m.wall_spread[1], 3), reps=reps,
+                git_sha=info["git_sha"], date=info["date"])
+
+
+def spread_path(out: Path) -> Path:
+    """The spread file beside the CSV `out`: model.csv -> model_spread.csv."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}_spread{out.suffix}")
 
 
 def append_row(path: Path, values: dict, columns: Sequence[str] = COLUMNS) -> None:
@@ -393,6 +433,23 @@ def recorded_cases(path: Path) -> tuple[dict[tuple, dict], list[str]]:
         rows = list(csv.DictReader(f))
     cases = {(r["config"], r["task"], r["batch"], r["seq"], r["mode"], r["patched"]): r for r in rows}
     return cases, list(dict.fromkeys(r["git_sha"] for r in rows))
+
+
+def recorded_spreads(path: Path) -> dict[tuple, dict]:
+    """The spread rows (`spread_path(path)`) that belong to the rows `recorded_cases(path)` counts: by
+    the same case key, for the row of the same git_sha and date; {} where there is no spread file."""
+    spread_file = spread_path(path)
+    if not spread_file.exists():
+        return {}
+    counted, _ = recorded_cases(path)
+    with spread_file.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    spreads = {}
+    for r in rows:
+        key = (r["config"], r["task"], r["batch"], r["seq"], r["mode"], r["patched"])
+        if key in counted and (counted[key]["git_sha"], counted[key]["date"]) == (r["git_sha"], r["date"]):
+            spreads[key] = r
+    return spreads
 
 
 def shapes_in_order(cases: dict[tuple, dict]) -> list[tuple]:
@@ -557,13 +614,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             _release()
         values = row(case, m, args.regional, info)
         append_row(out, values)
+        spread = spread_row(case, m, args.regional, args.reps, info)
+        append_row(spread_path(out), spread, SPREAD_COLUMNS)
         written.append(label)
         note = f", {m.host_syncs} host syncs per step" if m.host_syncs else ""
-        bar.write(f"{label}: GPU {values['gpu_ms'] or '-'} ms, wall {values['wall_ms']} ms, "
-                  f"peak {values['peak_mib'] or '-'} MiB{note}")
+        gpu_spread = f" ({spread['gpu_p10_ms']}-{spread['gpu_p90_ms']})" if m.gpu_spread else ""
+        bar.write(f"{label}: GPU {values['gpu_ms'] or '-'}{gpu_spread} ms, wall {values['wall_ms']} "
+                  f"({spread['wall_p10_ms']}-{spread['wall_p90_ms']}) ms, peak {values['peak_mib'] or '-'} MiB{note}"
+                  " (median, p10-p90 in brackets)")
     bar.close()
 
-    print(f"\n{len(written)} rows appended to {out} in {time.monotonic() - start:.0f} s")
+    print(f"\n{len(written)} rows appended to {out} (their spread to {spread_path(out).name}) in "
+          f"{time.monotonic() - start:.0f} s")
     if skipped:
         print(f"not started (time limit {args.time_limit_s:.0f} s): {len(skipped)}; run again with --resume to go on")
         for label in skipped:
