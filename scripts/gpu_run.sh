@@ -17,8 +17,9 @@
 #                        (figures: figures/ for the H200, <results folder>/figures/ for other GPUs);
 #                        host_overhead.csv, each op's host cost per call against torch.matmul's
 #   gemma3n_training_step.csv, gemma3n.log   Gemma 3n's AltUp in a training step (scripts/bench_gemma3n.py)
-#   gemma3n_model.csv, gemma3n_model.log     a whole Gemma 3n model, patched and not (altup_cupy.lab.gemma3n_model;
-#                        rows of this commit already in the CSV are kept and not measured again)
+#   gemma3n_model.csv, gemma3n_model_spread.csv, gemma3n_model.log     a whole Gemma 3n model, patched and not
+#                        (altup_cupy.lab.gemma3n_model: medians, and each case's p10-p90; rows of this commit
+#                        already in the CSV are kept and not measured again)
 #   notebooks.log        notebooks/*.ipynb executed in place in GPU mode (scripts/execute_notebooks.sh)
 #   sweep_v4.csv, .log   the tuning sweep of backward v4 (Hopper GPUs only)
 # Each stage runs under a time limit of ALTUP_STAGE_LIMIT_S seconds (default 1800), so a hung
