@@ -112,18 +112,27 @@ def check_aligned(named: Sequence[tuple[str, torch.Tensor]]) -> None:
 
 
 def positive_finite(name: str, value: Any) -> float:
+    """`value` as a float, or a named error. Comparisons only (not math.isfinite): torch.compile with
+    dynamic=True traces a float argument as a symbolic float, which compares (and guards) but has
+    no math.isfinite."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     v = float(value)
-    if not math.isfinite(v) or v <= 0.0:
+    if not 0.0 < v < math.inf:  # false for NaN too
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return v
 
 
-def index_in_range(name: str, value: Any, upper: int) -> int:
+def as_index(name: str, value: Any) -> int:
+    """`value` as an int (an int, or an integer type that has `__index__`, as numpy's), or a
+    TypeError naming it; a bool is refused (True is not a stream index)."""
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    v = int(value.__index__())
+    return int(value.__index__())
+
+
+def index_in_range(name: str, value: Any, upper: int) -> int:
+    v = as_index(name, value)
     if not 0 <= v < upper:
         raise ValueError(f"{name} must satisfy 0 <= {name} < {upper}, got {v}")
     return v

@@ -25,7 +25,8 @@ replacements on the modules of one instance:
 Where the kernels do not serve a call (not CUDA, not bfloat16, N outside 2..4, H % 8 != 0 or
 H > 3072), the call warns once and runs transformers' own code: never a wrong answer.
 `patch(serve_cpu=True)` sends CPU tensors through the operators' CPU reference instead (for testing
-the integration without a GPU) where they share one dtype it takes: bfloat16, float32 or float64.
+the integration without a GPU) where they share one dtype it takes (bfloat16, float32 or float64)
+and have a shape the kernels serve; `patch(model, serve_cpu=...)` sets it for that model alone.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ _MODELING = "transformers.models.gemma3n.modeling_gemma3n"
 _PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextModel": ("forward",),
                        "Gemma3nTextDecoderLayer": ("forward",)}
 _originals: dict[tuple[type, str], object] = {}  # (class, attribute) -> transformers' function
-_settings = {"serve_cpu": False}
+_settings = {"serve_cpu": False}  # of the class patch; an instance patch sets its modules' own
+_SERVE_CPU = "_altup_cupy_serve_cpu"  # the attribute an instance patch sets on each module it patches
 
 
 def _modeling():
@@ -64,19 +66,24 @@ def _dtypes(tensors) -> list[str]:
     return sorted({str(t.dtype) for t in tensors})
 
 
-def _unserved(what: str, tensors, streams: int, hidden: int) -> str | None:
-    """Why the kernels cannot take this call (warned once per reason), or None."""
-    first = tensors[0]
-    if first.device.type == "cpu" and _settings["serve_cpu"]:
-        if first.dtype in CPU_DTYPES and all(t.dtype == first.dtype for t in tensors):
-            return None
-        reason = f"dtype {_dtypes(tensors)} (the CPU reference takes one of bfloat16, float32 and float64)"
-    elif first.device.type != "cuda":
-        reason = f"tensors on {first.device.type} (the kernels run on CUDA)"
-    elif any(t.dtype != torch.bfloat16 for t in tensors):
-        reason = f"dtype {_dtypes(tensors)} (the kernels take bfloat16)"
-    else:
-        reason = gemma3n_ops.cuda_serves(streams, hidden)
+def _serves_cpu(module) -> bool:
+    return module.__dict__.get(_SERVE_CPU, _settings["serve_cpu"])
+
+
+def _unserved(module, what: str, tensors, streams: int, hidden: int) -> str | None:
+    """Why the kernels cannot take this call of `module` (warned once per reason), or None. The CPU
+    reference (serve_cpu) is held to the kernels' shapes, so that a model served on the CPU is served
+    on CUDA."""
+    reason = gemma3n_ops.cuda_serves(streams, hidden)
+    if reason is None:
+        first = tensors[0]
+        if first.device.type == "cpu" and _serves_cpu(module):
+            if first.dtype not in CPU_DTYPES or any(t.dtype != first.dtype for t in tensors):
+                reason = f"dtype {_dtypes(tensors)} (the CPU reference takes one of bfloat16, float32 and float64)"
+        elif first.device.type != "cuda":
+            reason = f"tensors on {first.device.type} (the kernels run on CUDA)"
+        elif any(t.dtype != torch.bfloat16 for t in tensors):
+            reason = f"dtype {_dtypes(tensors)} (the kernels take bfloat16)"
     if reason is not None:
         warnings.warn(f"altup_cupy.gemma3n: {what} runs transformers' own code for {reason}", stacklevel=3)
     return reason
@@ -137,7 +144,7 @@ def _correct_arguments(self, predictions: torch.Tensor, activated: torch.Tensor)
 
 
 def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if _unserved("AltUp predict", (hidden_states, *_predict_weights(self)), self.config.altup_num_inputs,
+    if _unserved(self, "AltUp predict", (hidden_states, *_predict_weights(self)), self.config.altup_num_inputs,
                  hidden_states.shape[-1]):
         return _original(type(self), "predict")(self, hidden_states)
     return altup.predict(*_predict_arguments(self, hidden_states))
@@ -145,7 +152,7 @@ def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
     weights = (self.correction_coefs.weight, self.modality_router.weight, self.router_norm.weight)
-    if _unserved("AltUp correct", (predictions, activated, *weights), self.config.altup_num_inputs,
+    if _unserved(self, "AltUp correct", (predictions, activated, *weights), self.config.altup_num_inputs,
                  activated.shape[-1]):
         return _original(type(self), "correct")(self, predictions, activated)
     return altup.correct(*_correct_arguments(self, predictions, activated))
@@ -175,7 +182,7 @@ def _layer_forward(modeling):
         return None
 
     def forward(self, hidden_states, *args, **kwargs):
-        if _unserved("AltUp predict/correct", (hidden_states, *_predict_weights(self.altup)),
+        if _unserved(self, "AltUp predict/correct", (hidden_states, *_predict_weights(self.altup)),
                      self.config.altup_num_inputs, hidden_states.shape[-1]):
             return original(self, hidden_states, *args, **kwargs)
         return patched(self, hidden_states, *args, **kwargs)
@@ -206,10 +213,11 @@ def _model_forward(modeling):
         return None
 
     def forward(self, *args, **kwargs):
-        probe = [self.altup_projections[0].weight, self.altup_unembed_projections[0].weight]
+        # the first matrix of each (a model of one stream has none: cuda_serves refuses it first)
+        probe = [p.weight for p in (*self.altup_projections[:1], *self.altup_unembed_projections[:1])]
         if isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
             probe.append(kwargs["inputs_embeds"])
-        if _unserved("AltUp expansion/collapse", probe, self.config.altup_num_inputs, self.config.hidden_size):
+        if _unserved(self, "AltUp expansion/collapse", probe, self.config.altup_num_inputs, self.config.hidden_size):
             return original(self, *args, **kwargs)
         return patched(self, *args, **kwargs)
 
@@ -232,9 +240,9 @@ def _replacements(modeling) -> dict[tuple[type, str], object]:
 def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False) -> None:
     """Route Gemma 3n's AltUp through altup_cupy: every model (model None) or this one instance."""
     modeling = _modeling()
-    _settings["serve_cpu"] = serve_cpu
     replacements = _replacements(modeling)
     if model is None:
+        _settings["serve_cpu"] = serve_cpu
         for (cls, name), function in replacements.items():
             _originals.setdefault((cls, name), cls.__dict__[name])
             setattr(cls, name, function)
@@ -246,6 +254,7 @@ def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False) -> N
         for (cls, name), function in replacements.items():
             if isinstance(module, cls):
                 setattr(module, name, MethodType(function, module))
+                module.__dict__[_SERVE_CPU] = serve_cpu
                 found = True
     if not found:
         raise ValueError(f"model has no Gemma3nTextAltUp, Gemma3nTextDecoderLayer or Gemma3nTextModel module: "
@@ -259,9 +268,11 @@ def unpatch(model: torch.nn.Module | None = None) -> None:
         for (cls, name), function in list(_originals.items()):
             setattr(cls, name, function)
             del _originals[(cls, name)]
+        _settings["serve_cpu"] = False
         return
     for module in model.modules():
         for class_name, names in _PATCHED_ATTRIBUTES.items():
             if isinstance(module, getattr(modeling, class_name)):
                 for name in names:
                     module.__dict__.pop(name, None)
+                module.__dict__.pop(_SERVE_CPU, None)

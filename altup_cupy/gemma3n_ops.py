@@ -399,6 +399,8 @@ def _(grad_corrected, predictions, activated, correction_coefs, router_weight, n
 
 def _validate_expand(embeddings, projections):
     _check_tensor("embeddings", embeddings, (None, None, None), "B S H")
+    if not projections:
+        raise ValueError("projections must hold N-1 >= 1 matrices (N >= 2 streams), got none")
     streams, hidden = len(projections) + 1, embeddings.shape[-1]
     _check_projections(projections, streams, hidden, embeddings.dtype)
     return streams, hidden

@@ -50,6 +50,22 @@ def _router_scale(router_scale, x):
     return 1.0 / x.shape[-1] if router_scale is None else _arrays.positive_finite("router_scale", router_scale)
 
 
+def _check_tensors(names: Sequence[str], *tensors) -> None:
+    """Each argument a torch tensor (the operators' schemas would refuse anything else in the
+    dispatcher's words, without the argument's name)."""
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_matrices(first_name: str, first: torch.Tensor, list_name: str, matrices: list) -> None:
+    _check_tensors((first_name, *(f"{list_name}[{i}]" for i in range(len(matrices)))), first, *matrices)
+
+
+_PREDICT_TENSORS = ("hidden_states", "prediction_coefs", "router_weight", "norm_weight")
+_CORRECT_TENSORS = ("predictions", "activated", "correction_coefs", "router_weight", "norm_weight")
+
+
 def _register_routed_autograd(op: str, step: str) -> None:
     """Registers the autograd of `op`: predict or correct (`step`), or their `_with_active` forms.
     They take their tensors first, then active_idx, eps and router_scale; the backward saves every
@@ -85,8 +101,10 @@ def predict(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_
             router_scale: float | None = None) -> torch.Tensor:
     """pred_i = h_i + sum_j C[i][j] h_j with C = reshape(P route(h_a), [N, N]); [N, B, S, H].
     router_scale: the s of route (module docstring); None: 1 / H."""
-    return _ops.predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx,
-                        _arrays.positive_finite("eps", eps), _router_scale(router_scale, hidden_states))
+    _check_tensors(_PREDICT_TENSORS, hidden_states, prediction_coefs, router_weight, norm_weight)
+    return _ops.predict(hidden_states, prediction_coefs, router_weight, norm_weight,
+                        _arrays.as_index("active_idx", active_idx), _arrays.positive_finite("eps", eps),
+                        _router_scale(router_scale, hidden_states))
 
 
 def predict_with_active(hidden_states: torch.Tensor, prediction_coefs: torch.Tensor, router_weight: torch.Tensor,
@@ -95,8 +113,10 @@ def predict_with_active(hidden_states: torch.Tensor, prediction_coefs: torch.Ten
     """(pred, a copy of pred[active_idx]) for a layer that reads the active prediction on its own:
     its gradient then joins pred's inside the backward kernel, where pred[active_idx] (a view) would
     make autograd add the two in a pass over all N rows."""
-    return _ops.predict_with_active(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx,
-                                    _arrays.positive_finite("eps", eps), _router_scale(router_scale, hidden_states))
+    _check_tensors(_PREDICT_TENSORS, hidden_states, prediction_coefs, router_weight, norm_weight)
+    return _ops.predict_with_active(hidden_states, prediction_coefs, router_weight, norm_weight,
+                                    _arrays.as_index("active_idx", active_idx), _arrays.positive_finite("eps", eps),
+                                    _router_scale(router_scale, hidden_states))
 
 
 # ---- correct -----------------------------------------------------------------------------------
@@ -110,16 +130,19 @@ def correct(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs
             eps: float = 1e-6, router_scale: float | None = None) -> torch.Tensor:
     """corrected_i = pred_i + k_i (activated - pred_a), k = Q route(activated) + 1; [N, B, S, H].
     router_scale: the s of route (module docstring); None: 1 / H."""
-    return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx,
-                        _arrays.positive_finite("eps", eps), _router_scale(router_scale, activated))
+    _check_tensors(_CORRECT_TENSORS, predictions, activated, correction_coefs, router_weight, norm_weight)
+    return _ops.correct(predictions, activated, correction_coefs, router_weight, norm_weight,
+                        _arrays.as_index("active_idx", active_idx), _arrays.positive_finite("eps", eps),
+                        _router_scale(router_scale, activated))
 
 
 def correct_with_active(predictions: torch.Tensor, activated: torch.Tensor, correction_coefs: torch.Tensor,
                         router_weight: torch.Tensor, norm_weight: torch.Tensor, active_idx: int = 0,
                         eps: float = 1e-6, router_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(corrected, a copy of corrected[active_idx]), as `predict_with_active` is to `predict`."""
+    _check_tensors(_CORRECT_TENSORS, predictions, activated, correction_coefs, router_weight, norm_weight)
     return _ops.correct_with_active(predictions, activated, correction_coefs, router_weight, norm_weight,
-                                    active_idx, _arrays.positive_finite("eps", eps),
+                                    _arrays.as_index("active_idx", active_idx), _arrays.positive_finite("eps", eps),
                                     _router_scale(router_scale, activated))
 
 
@@ -145,7 +168,9 @@ def expand(embeddings: torch.Tensor, projections: Sequence[torch.Tensor],
            floor: float = MAGNITUDE_FLOOR) -> torch.Tensor:
     """[N, B, S, H]: stream 0 = embeddings, stream k = x0 W_k^T rescaled to x0's RMS (mean square
     floored at `floor`, transformers' 1e-5)."""
-    return _ops.expand(embeddings, list(projections), _arrays.positive_finite("floor", floor))[0]
+    projections = list(projections)
+    _check_matrices("embeddings", embeddings, "projections", projections)
+    return _ops.expand(embeddings, projections, _arrays.positive_finite("floor", floor))[0]
 
 
 # ---- collapse ----------------------------------------------------------------------------------
@@ -154,12 +179,17 @@ def _collapse_setup(ctx, inputs, output):
     hidden_states, projections, eps, *_version = inputs
     ctx.save_for_backward(hidden_states, *projections)
     ctx.floor = eps
+    # the N-1 matrices as one stacked [N-1, H, H] tensor (a form the top-level collapse takes)
+    ctx.stacked = len(projections) == 1 and projections[0].dim() == 3
 
 
 def _collapse_backward(ctx, grad):
     hidden_states, *projections = ctx.saved_tensors
-    grad_s, grad_u = _ops.collapse_backward(grad.contiguous(), hidden_states, projections, ctx.floor)
-    return (_like(grad_s, hidden_states), [_like(g, u) for g, u in zip(grad_u.unbind(), projections)],
+    matrices = list(projections[0].unbind()) if ctx.stacked else projections
+    grad_s, grad_u = _ops.collapse_backward(grad.contiguous(), hidden_states, matrices, ctx.floor)
+    grad_projections = ([_like(grad_u, projections[0])] if ctx.stacked
+                        else [_like(g, u) for g, u in zip(grad_u.unbind(), projections)])
+    return (_like(grad_s, hidden_states), grad_projections,
             # eps, and version where the dispatcher counts it: one None per remaining input
             *([None] * (len(ctx.needs_input_grad) - 2)))
 
@@ -172,4 +202,6 @@ def collapse(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
     """[B, S, H] = (s_0 + sum_k y_k rms(s_0) / sqrt(max(mean(y_k^2), eps))) / N, y_k = s_k U_k^T:
     `altup_cupy.collapse` (the same arguments; eps: the floor of the projections' mean square,
     transformers' 1e-5) with its backward registered."""
-    return _ops.collapse(hidden_states, list(unembed_projs), _arrays.positive_finite("eps", eps))
+    unembed_projs = list(unembed_projs)
+    _check_matrices("hidden_states", hidden_states, "unembed_projs", unembed_projs)
+    return _ops.collapse(hidden_states, unembed_projs, _arrays.positive_finite("eps", eps))

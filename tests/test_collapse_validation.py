@@ -165,6 +165,12 @@ def test_not_an_array(thing):
     _raises(TypeError, "hidden_states", "torch tensor or a CuPy array", call=lambda: collapse(thing, ws))
 
 
+@pytest.mark.parametrize("version", [1.0, True, "1"])
+def test_version_that_is_not_an_int(version):
+    hs, ws = _inputs()
+    _raises(TypeError, "version must be None or an int", call=lambda: collapse(hs, ws, version=version))
+
+
 def test_cpu_tensors_run_the_float32_reference():
     g = torch.Generator().manual_seed(1)
     hs = torch.randn((3, 2, 4, 16), generator=g).to(BF16)

@@ -154,6 +154,39 @@ def test_serve_cpu_leaves_dtypes_the_reference_refuses_to_transformers(seeds, op
     assert torch.equal(out, model(input_ids=ids).last_hidden_state)
 
 
+@pytest.mark.parametrize("streams,hidden,reason", [(5, 16, "N = 5 streams"), (1, 16, "N = 1 streams"),
+                                                   (4, 12, "hidden size H = 12")])
+def test_serve_cpu_leaves_shapes_the_kernels_refuse_to_transformers(seeds, op_calls, streams, hidden, reason):
+    """A shape the kernels refuse runs transformers' code on the CPU reference too (what is served
+    on the CPU is served on CUDA), a model of one stream included (no projections at all)."""
+    torch.manual_seed(seeds())
+    model = modeling.Gemma3nTextModel(tiny_text_config(streams=streams, hidden=hidden, head_dim=6 if hidden == 12
+                                                       else 8)).eval()
+    patched = copy.deepcopy(model)
+    gemma3n.patch(patched, serve_cpu=True)
+    ids = torch.randint(3, 64, (1, 6))
+    with pytest.warns(UserWarning, match=f"runs transformers' own code for {reason}"):
+        out = patched(input_ids=ids).last_hidden_state
+    assert sum(op_calls.values()) == 0
+    assert torch.equal(out, model(input_ids=ids).last_hidden_state)
+
+
+def test_serve_cpu_belongs_to_the_model_it_was_given_with(seeds, op_calls):
+    served, other = _model(seeds()).eval(), _model(seeds()).eval()
+    gemma3n.patch(served, serve_cpu=True)
+    gemma3n.patch(other)  # the default, serve_cpu=False, for this model alone
+    ids = torch.randint(3, 64, (1, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # served: no fallback warning
+        served(input_ids=ids)
+    assert op_calls["predict"] == 2
+    with pytest.warns(UserWarning, match="runs transformers' own code for tensors on cpu"):
+        other(input_ids=ids)
+    assert op_calls["predict"] == 2
+    gemma3n.unpatch(served)
+    assert not any(gemma3n._SERVE_CPU in m.__dict__ for m in served.modules())
+
+
 def test_unrecognised_forward_keeps_expansion_and_collapse(seeds, monkeypatch, op_calls):
     monkeypatch.setattr(gemma3n_forward, "KNOWN_FORWARDS", {})
     with pytest.warns(UserWarning, match="stay transformers' own"):

@@ -178,6 +178,60 @@ def test_compiles_fullgraph_on_cpu(seeds):
     torch.testing.assert_close(g_compiled, g_eager, rtol=1e-6, atol=1e-6)
 
 
+def test_compiles_fullgraph_with_dynamic_shapes_and_float_arguments(seeds):
+    """dynamic=True traces a float argument as a symbolic float: the checks of eps and of the
+    default floor must trace too."""
+    x = random_altup_inputs(seeds(), 3, dtype=torch.float32)
+    P, R, w, U = x.prediction_coefs, x.router_weight, x.norm_weight, list(x.projections)
+
+    def model(hidden_states, eps):
+        return altup.collapse(altup.predict(hidden_states, P, R, w, 1, eps), U)
+
+    eager = model(x.hidden_states, 1e-6)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")(x.hidden_states, 1e-6)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_stacked_collapse_weights_get_their_gradient(seeds):
+    """altup_cupy.collapse takes the N-1 matrices stacked in one [N-1, H, H] tensor too: the backward
+    gives that tensor its gradient, the list form's stacked."""
+    x = random_altup_inputs(seeds(), 3)
+    import altup_cupy
+
+    hs, stacked = _leaves(x.hidden_states, x.projections)
+    matrices = _leaves(*x.projections)
+    g = torch.randn(x.activated.shape, dtype=x.activated.dtype)
+    grads = torch.autograd.grad(altup_cupy.collapse(hs, stacked, 1e-5), (hs, stacked), g)
+    hs_list = _leaves(x.hidden_states)[0]
+    list_grads = torch.autograd.grad(altup_cupy.collapse(hs_list, matrices, 1e-5), (hs_list, *matrices), g)
+    torch.testing.assert_close(grads[0], list_grads[0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], torch.stack(list_grads[1:]), rtol=0, atol=0)
+    assert torch.autograd.gradcheck(lambda s, u: altup_cupy.collapse(s, u, 1e-5), (hs, stacked))
+
+
+def test_arguments_the_schemas_would_refuse_get_named_errors(seeds):
+    x = random_altup_inputs(seeds(), 3, dtype=torch.float32)
+    tensors = (x.hidden_states, x.prediction_coefs, x.router_weight, x.norm_weight)
+    for active_idx in (True, 1.0, None, "0"):
+        with pytest.raises(TypeError, match="active_idx must be an int"):
+            altup.predict(*tensors, active_idx)
+        with pytest.raises(TypeError, match="active_idx must be an int"):
+            altup.correct_with_active(x.hidden_states, x.activated, x.correction_coefs, x.router_weight,
+                                      x.norm_weight, active_idx)
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, got ndarray"):
+        altup.predict(x.hidden_states.numpy(), *tensors[1:])
+    with pytest.raises(TypeError, match=r"projections\[1\] must be a torch.Tensor"):
+        altup.expand(x.activated, [x.projections[0], x.projections[1].numpy()])
+    with pytest.raises(TypeError, match=r"unembed_projs\[0\] must be a torch.Tensor"):
+        altup.collapse(x.hidden_states, [None, x.projections[1]])
+    with pytest.raises(ValueError, match="projections must hold N-1 >= 1 matrices"):
+        altup.expand(x.activated, [])
+
+
 def test_named_errors(seeds):
     x = random_altup_inputs(seeds(), 3, dtype=torch.float32)
     with pytest.raises(ValueError, match="prediction_coefs must have shape"):

@@ -185,6 +185,9 @@ def test_numpy_rejected(name):
 def test_bad_version():
     with pytest.raises(ValueError, match="version"):
         predict_correct_backward(**good(), version=max(VERSIONS) + 1)
+    for not_an_int in (1.0, True):  # both equal 1: a lookup alone would take them
+        with pytest.raises(TypeError, match="version must be None or an int"):
+            predict_correct_backward(**good(), version=not_an_int)
 
 
 @pytest.mark.gpu

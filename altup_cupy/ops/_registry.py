@@ -39,7 +39,12 @@ class Version:
 
 
 def check_number(versions: Mapping[int, Version], requested: int | None) -> None:
-    if requested is not None and requested not in versions:
+    if requested is None:
+        return
+    # 1.0 and True equal 1 and would pass the lookup; the dispatcher then refuses them in its words
+    if isinstance(requested, bool) or not isinstance(requested, (int, torch.SymInt)):
+        raise TypeError(f"version must be None or an int, got {type(requested).__name__}")
+    if requested not in versions:
         raise ValueError(f"version must be None or one of {tuple(versions)}, got {requested!r}")
 
 
