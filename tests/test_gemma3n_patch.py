@@ -129,29 +129,29 @@ def test_instance_patch_and_unpatch(seeds, op_calls):
     assert "forward" not in model.__dict__
 
 
-def test_unserved_calls_warn_and_run_transformers_code(seeds, op_calls):
-    """CPU tensors without serve_cpu: a warning, and exactly transformers' result."""
-    model = _model(seeds()).eval()
+def _assert_falls_back(model, op_calls, warning: str, serve_cpu: bool = True) -> None:
+    """A patched copy of `model` warns (matching `warning`), calls none of altup_cupy's operators and
+    gives exactly transformers' result."""
     patched = copy.deepcopy(model)
-    gemma3n.patch(patched)
+    gemma3n.patch(patched, serve_cpu=serve_cpu)
     ids = torch.randint(3, 64, (1, 6))
-    with pytest.warns(UserWarning, match="runs transformers' own code for tensors on cpu"):
+    with pytest.warns(UserWarning, match=warning):
         out = patched(input_ids=ids).last_hidden_state
     assert sum(op_calls.values()) == 0
     assert torch.equal(out, model(input_ids=ids).last_hidden_state)
+
+
+def test_unserved_calls_warn_and_run_transformers_code(seeds, op_calls):
+    """CPU tensors without serve_cpu: a warning, and exactly transformers' result."""
+    _assert_falls_back(_model(seeds()).eval(), op_calls, "runs transformers' own code for tensors on cpu",
+                       serve_cpu=False)
 
 
 def test_serve_cpu_leaves_dtypes_the_reference_refuses_to_transformers(seeds, op_calls):
     """float16 on the CPU: the operators would refuse it, so the patch warns and runs
     transformers' code."""
-    model = _model(seeds()).eval().to(torch.float16)
-    patched = copy.deepcopy(model)
-    gemma3n.patch(patched, serve_cpu=True)
-    ids = torch.randint(3, 64, (1, 6))
-    with pytest.warns(UserWarning, match=r"float16'\] \(the CPU reference takes one of bfloat16, float32"):
-        out = patched(input_ids=ids).last_hidden_state
-    assert sum(op_calls.values()) == 0
-    assert torch.equal(out, model(input_ids=ids).last_hidden_state)
+    _assert_falls_back(_model(seeds()).eval().to(torch.float16), op_calls,
+                       r"float16'\] \(the CPU reference takes one of bfloat16, float32")
 
 
 @pytest.mark.parametrize("streams,hidden,reason", [(5, 16, "N = 5 streams"), (1, 16, "N = 1 streams"),
@@ -162,13 +162,7 @@ def test_serve_cpu_leaves_shapes_the_kernels_refuse_to_transformers(seeds, op_ca
     torch.manual_seed(seeds())
     model = modeling.Gemma3nTextModel(tiny_text_config(streams=streams, hidden=hidden, head_dim=6 if hidden == 12
                                                        else 8)).eval()
-    patched = copy.deepcopy(model)
-    gemma3n.patch(patched, serve_cpu=True)
-    ids = torch.randint(3, 64, (1, 6))
-    with pytest.warns(UserWarning, match=f"runs transformers' own code for {reason}"):
-        out = patched(input_ids=ids).last_hidden_state
-    assert sum(op_calls.values()) == 0
-    assert torch.equal(out, model(input_ids=ids).last_hidden_state)
+    _assert_falls_back(model, op_calls, f"runs transformers' own code for {reason}")
 
 
 def test_serve_cpu_belongs_to_the_model_it_was_given_with(seeds, op_calls):
