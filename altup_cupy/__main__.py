@@ -19,6 +19,17 @@ MODEL_SUITE = "gemma3n-model"
 KERNEL_REPS, KERNEL_WARMUP = 100, 10
 
 
+def _at_least(lowest: int):
+    """An argparse type: an int >= lowest (argparse's own error, and exit code 2, otherwise)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {value}")
+        return value
+    parse.__name__ = "int"  # argparse's message names the type
+    return parse
+
+
 def _selected(value: str, choices: tuple[str, ...]) -> tuple[str, ...]:
     return choices if value == "all" else (value,)
 
@@ -39,8 +50,12 @@ def _regenerate(results_dir: Path, figures_dir: Path | None, update_readme: bool
 
 
 def _recorded_dirs(results_dir: Path | None) -> list[Path]:
-    """The folder asked for, else every results/<gpu>/ holding CSVs (see _paths)."""
-    return [results_dir] if results_dir is not None else _paths.recorded_results_dirs()
+    """The folder asked for (it must exist), else every results/<gpu>/ holding CSVs (see _paths)."""
+    if results_dir is None:
+        return _paths.recorded_results_dirs()
+    if not results_dir.is_dir():
+        raise SystemExit(f"--results-dir {results_dir}: no such folder")
+    return [results_dir]
 
 
 def _nothing_recorded() -> int:
@@ -187,12 +202,13 @@ def main(argv=None) -> int:
     p.add_argument("--suite", choices=(*SUITES, "all", MODEL_SUITE), default="all",
                    help=f"all: every kernel suite; {MODEL_SUITE}: a whole Gemma 3n model, patched and not "
                         "(python -m altup_cupy.lab.gemma3n_model; its own arguments follow)")
-    p.add_argument("--reps", type=int, default=None,
+    p.add_argument("--reps", type=_at_least(1), default=None,
                    help=f"timed calls per measurement, median taken (default {KERNEL_REPS}; "
                         f"{MODEL_SUITE}: its own)")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=_at_least(0), default=None,
                    help=f"untimed calls first (default {KERNEL_WARMUP}; {MODEL_SUITE}: its own)")
-    p.add_argument("--limit", type=int, default=0, help="only the first LIMIT workloads of each suite")
+    p.add_argument("--limit", type=_at_least(0), default=0,
+                   help="only the first LIMIT workloads of each suite (0: all)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("check", help="verify the kernels against float64 on fresh random inputs (on a "
@@ -200,7 +216,7 @@ def main(argv=None) -> int:
                                      "sm_90 and report spills")
     p.add_argument("--op", choices=(*OPS, "all"), default="all")
     p.add_argument("--suite", choices=(*SUITES, "all"), default="benchmark")
-    p.add_argument("--rounds", type=int, default=1, help="fresh input draws per workload")
+    p.add_argument("--rounds", type=_at_least(1), default=1, help="fresh input draws per workload")
     p.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
     p.set_defaults(func=cmd_check)
 

@@ -16,20 +16,25 @@ import torch
 
 from altup_cupy import predict_correct_backward
 from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES
-from altup_cupy.lab.workloads import predict_correct_backward_inputs, workloads
+from altup_cupy.lab.workloads import SUITES, predict_correct_backward_inputs, workloads
 from altup_cupy.ops.predict_correct_backward import run_plan
 from altup_cupy.ops.predict_correct_backward_versions import v4_plan
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--suite", default="benchmark")
+    parser.add_argument("--suite", choices=SUITES, default="benchmark")
     parser.add_argument("--version", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--calls", type=int, default=1)
     args = parser.parse_args()
-    w = next(w for w in workloads("predict_correct_backward", args.suite) if w.tokens == args.tokens)
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: needs a CUDA GPU\n")
+    w = next((w for w in workloads("predict_correct_backward", args.suite) if w.tokens == args.tokens), None)
+    if w is None:
+        parser.error(f"no {args.suite} workload has --tokens {args.tokens}; its token counts: "
+                     f"{sorted({w.tokens for w in workloads('predict_correct_backward', args.suite)})}")
     inputs = predict_correct_backward_inputs(w, 7, "cuda", "random")
     call_args = [inputs[k] for k in ARG_NAMES]
     for _ in range(1 + args.calls):

@@ -174,13 +174,15 @@ def run_case(task: str, mode: str, variant: str, batch: int, seq: int, out_dir: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--out-dir", type=Path, default=None, help="where the profiles go (none: no profiles)")
     parser.add_argument("--kernels", action="store_true",
                         help="GPU kernel tables of the compiled steps, unpatched and patched (needs --out-dir)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: needs a CUDA GPU\n")
     if args.kernels and args.out_dir is None:
         parser.error("--kernels writes its tables into --out-dir")
     if args.out_dir is not None:

@@ -31,11 +31,13 @@ TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default="sweep_v4.csv")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: needs a CUDA GPU\n")
 
     chosen = [w for w in workloads("predict_correct_backward", "benchmark") if w.tokens in TOKENS]
     chosen = sorted({w.tokens: w for w in chosen}.values(), key=lambda w: w.tokens)

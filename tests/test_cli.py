@@ -174,3 +174,53 @@ def test_bench_refuses_unknown_arguments_of_the_kernel_suites(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--suite", "benchmark", "--config", "tiny"])
     assert "unrecognized arguments: --config tiny" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["check", "--rounds", "0"], ["bench", "--reps", "0"], ["bench", "--limit", "-1"],
+                                  ["bench", "--warmup", "-1"]])
+def test_counts_below_their_least_are_refused_before_anything_runs(argv, capsys):
+    """`check --rounds 0` would check nothing and say all passed; `--limit -2` would drop workloads."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["figures", "bench"])
+def test_a_results_folder_that_does_not_exist_is_an_error(tmp_path, monkeypatch, command):
+    monkeypatch.setattr(altup_main, "gpu_status", lambda: (False, "hidden by the test"))
+    for missing in (tmp_path / "nowhere", tmp_path / "a_file.csv"):
+        missing.parent.mkdir(exist_ok=True)
+        if missing.suffix:
+            missing.write_text("x\n")
+        with pytest.raises(SystemExit, match="no such folder"):
+            main([command, "--results-dir", str(missing)])
+
+
+def test_model_bench_refuses_an_output_it_cannot_append_to_before_any_case(tmp_path, monkeypatch, capsys):
+    from altup_cupy.lab import gemma3n_model
+
+    monkeypatch.setattr(gemma3n_model, "run_case", lambda *a, **k: pytest.fail("a case ran"))
+    other_schema = tmp_path / "other.csv"
+    other_schema.write_text("op,impl\n")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for out, said in ((tmp_path, "is a folder"), (other_schema, "has columns"), (a_file / "m.csv", "is a file")):
+        assert gemma3n_model.main(["--device", "cpu", "--config", "tiny", "--no-progress", "--out", str(out)]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_model_bench_names_the_extra_when_transformers_is_missing(monkeypatch, capsys):
+    from altup_cupy.lab import gemma3n_model
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert gemma3n_model.main(["--device", "cpu", "--config", "tiny", "--no-progress"]) == 1
+    assert "transformers is not installed; it comes with the 'gemma3n' extra" in capsys.readouterr().err
+
+
+def test_op_registration_refuses_a_folder_as_its_csv(tmp_path, capsys):
+    from altup_cupy.lab import op_registration
+
+    with pytest.raises(SystemExit) as exit_info:
+        op_registration.main(["--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and "is a folder" in capsys.readouterr().err

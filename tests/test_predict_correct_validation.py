@@ -8,7 +8,7 @@ import torch
 
 from altup_cupy import predict_correct_backward
 from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs
-from altup_cupy.ops.predict_correct_backward_versions import VERSIONS, v4_launch_plan, v4_supported
+from altup_cupy.ops.predict_correct_backward_versions import PREFERENCE, VERSIONS, v4_launch_plan, v4_supported
 from altup_cupy.reference import predict_correct_backward_reference
 
 N, B, S, H = 3, 2, 3, 16
@@ -180,6 +180,12 @@ def test_numpy_rejected(name):
     kw[name] = numpy.zeros(kw[name].shape, dtype=numpy.float32)
     with pytest.raises(TypeError, match=name):
         predict_correct_backward(**kw)
+
+
+def test_the_default_preference_is_pinned():
+    """The default (v4 on Hopper where it applies, else v3) moves only with a benchmark behind it:
+    a change here is deliberate (CONTRIBUTING, "PREFERENCE")."""
+    assert PREFERENCE == (4, 3)
 
 
 def test_bad_version():

@@ -397,18 +397,32 @@ def spread_path(out: Path) -> Path:
     return out.with_name(f"{out.stem}_spread{out.suffix}")
 
 
-def append_row(path: Path, values: dict, columns: Sequence[str] = COLUMNS) -> None:
-    """Append one row (the header first into a new or empty file); an existing file must have exactly
-    `columns`, so rows never land under another schema's header. Opened and closed per row: a killed
-    run keeps every finished row."""
+def check_writable(path: Path, columns: Sequence[str] = COLUMNS) -> None:
+    """A ValueError unless rows of `columns` can be appended to `path`: a CSV file (not a folder)
+    whose folder is one (or can be made), empty or new, or with exactly `columns` as its header, so
+    rows never land under another schema's header. Checked before any case runs."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    if not new:
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: --out names the CSV file")
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"{path}: {folder} is a file, not a folder")
+            break
+    if path.exists() and path.stat().st_size:
         with path.open(newline="") as f:
             header = next(csv.reader(f), [])
         if tuple(header) != tuple(columns):
             raise ValueError(f"{path} has columns {header}, not {list(columns)}: choose another --out")
+
+
+def append_row(path: Path, values: dict, columns: Sequence[str] = COLUMNS) -> None:
+    """Append one row (the header first into a new or empty file) after `check_writable`. Opened and
+    closed per row: a killed run keeps every finished row."""
+    path = Path(path)
+    check_writable(path, columns)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         if new:
@@ -567,18 +581,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
-    from .._extras import require
+    from .._extras import MissingExtraError, require
     from .bench import run_info
     from .paths import results_dir
 
-    tqdm = require("tqdm.auto", "bench", "tqdm").tqdm
-    import transformers
+    try:
+        tqdm = require("tqdm.auto", "bench", "tqdm").tqdm
+        transformers = require("transformers", "gemma3n")
+    except MissingExtraError as error:
+        print(f"gemma3n_model: {error}", file=sys.stderr)
+        return 1
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu --config tiny for the CPU smoke path)", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     out = args.out if args.out is not None else results_dir(device_name) / "gemma3n_model.csv"
+    try:
+        check_writable(out, COLUMNS)
+        check_writable(spread_path(out), SPREAD_COLUMNS)
+    except ValueError as error:
+        print(f"gemma3n_model: --out: {error}", file=sys.stderr)
+        return 2
     info = run_info()
     configs = ("mini", "e2b") if args.config == "all" else (args.config,)
     cases = plan(configs, args.tasks, args.modes, args.shapes, args.patched)

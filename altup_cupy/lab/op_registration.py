@@ -95,9 +95,12 @@ def main(argv=None) -> int:
     from .paths import results_dir
     from .bench import run_info, write_csv
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m altup_cupy.lab.op_registration",
+                                     description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("--out", type=Path, default=None, help="the CSV (default: results/<gpu or cpu>/...)")
     args = parser.parse_args(argv)
+    if args.out is not None and args.out.is_dir():  # found now, not after the timing
+        parser.error(f"--out {args.out} is a folder: give the CSV file")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     info = run_info()
