@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from .._build import KernelSource, OfflineBuild, arch_number, compile_offline
@@ -50,6 +51,16 @@ def compile_all(targets: list[tuple[KernelSource, str]], workers: int = 2):
     return pool, [pool.submit(_compile_by_name, source.filename, arch) for source, arch in targets]
 
 
+def _progress(futures: list) -> list:
+    """`futures`, behind a progress bar on stderr where tqdm is installed (the `bench` extra): a
+    full compile takes minutes, and the table prints only at the end."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return futures
+    return tqdm(futures, desc="compiled", unit="pair", file=sys.stderr)
+
+
 def check_all(archs=CHECK_ARCHS, workers: int = 2) -> int:
     """Compile every source for every architecture it supports, print one table (architecture,
     source, kernel, registers, spills, stack) and return 0 if everything compiled with no spills
@@ -60,7 +71,7 @@ def check_all(archs=CHECK_ARCHS, workers: int = 2) -> int:
     pool, futures = compile_all(targets, workers)
     rows, failures = [], []
     with pool:
-        for (source, arch), future in zip(targets, futures):
+        for (source, arch), future in zip(targets, _progress(futures)):
             try:
                 build = future.result()
             except Exception as error:  # a compile error: reported in the table's place
