@@ -194,6 +194,7 @@ def test_bad_version():
     for not_an_int in (1.0, True):  # both equal 1: a lookup alone would take them
         with pytest.raises(TypeError, match="version must be None or an int"):
             predict_correct_backward(**good(), version=not_an_int)
+    predict_correct_backward(**good(), version=numpy.int64(min(VERSIONS)))  # an integer, if not Python's
 
 
 @pytest.mark.gpu

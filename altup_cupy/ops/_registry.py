@@ -10,6 +10,7 @@ file, its `KernelSource` in `_sources.py`, and one `Version` entry.
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -42,7 +43,7 @@ def check_number(versions: Mapping[int, Version], requested: int | None) -> None
     if requested is None:
         return
     # 1.0 and True equal 1 and would pass the lookup; the dispatcher then refuses them in its words
-    if isinstance(requested, bool) or not isinstance(requested, (int, torch.SymInt)):
+    if isinstance(requested, bool) or not isinstance(requested, numbers.Integral):
         raise TypeError(f"version must be None or an int, got {type(requested).__name__}")
     if requested not in versions:
         raise ValueError(f"version must be None or one of {tuple(versions)}, got {requested!r}")
