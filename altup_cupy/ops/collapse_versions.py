@@ -4,8 +4,8 @@ v1: the projections y_k = x_k @ W_k^T by cuBLASLt (bf16 in, fp32 out; one stride
 when the weights are stacked, one per weight otherwise; planned once per shape, on the current
 stream, so CUDA graphs capture them: `_cublas`), into an fp32 workspace; then one RawKernel
 (`collapse_epilogue_v1`) reads stream 0 and the projections once and writes the bf16 result. Rows
-are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One allocation a call
-holds the projections and cuBLASLt's workspace.
+are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One buffer holds a call's projections and cuBLASLt's
+workspace: reused from call to call on the eager fast path (`_scratch`), else allocated per call.
 v2, v3: the package's own Hopper GEMM (ops/collapse_hopper.py).
 
 A plan is built once per (version, N, M, H, stacked weights or a list, device) and called as
@@ -20,11 +20,14 @@ import torch
 
 from .. import _cublas, _sources
 from .._launch import round_up
+from .._scratch import StreamScratch
 from . import collapse_hopper
 from ._registry import Version
 from .collapse_epilogue import epilogue_v1
 
 WORKSPACE_BYTES = 1 << 30
+# The projections and cuBLASLt's workspace of one call, one buffer (reused on the eager fast path).
+_WORKSPACE = StreamScratch()
 
 
 def rows_per_block(rows: int, streams: int, hidden: int) -> int:
@@ -55,9 +58,8 @@ class V1Plan:
 
     def __call__(self, hidden_states: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
                  eps: float, stream: int, reuse_scratch: bool) -> None:
-        # reuse_scratch is not needed: the workspace is one allocation a call.
         hidden, stream_elements = self.hidden, self.rows * self.hidden
-        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=hidden_states.device)
+        workspace = _WORKSPACE.get(self.workspace_bytes, hidden_states.device, stream, reuse_scratch)
         hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()
         gemm_ws = ws + self.gemm_workspace_offset
         w_ptrs = [w.data_ptr() for w in weights]
