@@ -115,8 +115,10 @@ def positive_finite(name: str, value: Any) -> float:
     """`value` as a float, or a named error. Comparisons only (not math.isfinite): torch.compile with
     dynamic=True traces a float argument as a symbolic float, which compares (and guards) but has
     no math.isfinite."""
-    if type(value) is float and 0.0 < value < math.inf:  # the common case, before the slower checks
-        return value
+    # The common case first: isinstance of a concrete class is fast, numbers.Real (an ABC) is not.
+    # (Not `type(value) is float`: torch.compile cannot guard the type of a constant it traced.)
+    if isinstance(value, float) and 0.0 < value < math.inf:
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     v = float(value)
