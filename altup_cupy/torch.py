@@ -43,7 +43,9 @@ _ops = torch.ops.altup_cupy
 
 
 def _like(grad, t):
-    return None if grad is None else grad.to(t.dtype)
+    """grad in t's dtype; the same tensor when it already is (no dispatcher call: an eager backward
+    runs this for every gradient)."""
+    return grad if grad is None or grad.dtype == t.dtype else grad.to(t.dtype)
 
 
 def _router_scale(router_scale, x):
