@@ -141,12 +141,19 @@ def cmd_check(args) -> int:
     usable, why = gpu_status()
     if not usable:
         from ._build import load_nvrtc
-        from .lab.compile_report import CHECK_ARCHS, check_all
+        from ._sources import ALL_SOURCES
+        from .lab.compile_report import CHECK_ARCHS, check_all, op_sources
 
         load_nvrtc()  # before any output: a missing extra is one line, not one per compile
-        print(f"No GPU: {why}. Checking what needs none: every kernel source compiles for "
+        which = "every kernel source" if args.op == "all" else f"every kernel source of {args.op}"
+        print(f"No GPU: {why}. Checking what needs none: {which} compiles for "
               f"{', '.join(CHECK_ARCHS)} with no spills and no stack frame.")
-        return check_all()
+        gpu_only = [flag for flag, given in (("--suite", args.suite != "benchmark"), ("--rounds", args.rounds != 1),
+                                             ("--seed", args.seed is not None)) if given]
+        if gpu_only:
+            verb, pronoun = ("choose", "they do") if len(gpu_only) > 1 else ("chooses", "it does")
+            print(f"({', '.join(gpu_only)} {verb} the inputs of the check on a GPU; without one {pronoun} not apply.)")
+        return check_all(sources=ALL_SOURCES if args.op == "all" else op_sources(args.op))
 
     if args.seed is None:
         import random

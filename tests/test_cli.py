@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from altup_cupy import __main__ as altup_main
-from altup_cupy import _extras
+from altup_cupy import _extras, _sources
 from altup_cupy.__main__ import _gpu_of, main
 from altup_cupy._extras import MissingExtraError, require
 from altup_cupy.lab import paths
@@ -157,6 +157,30 @@ def test_check_without_nvrtc_says_so_once(monkeypatch, capsys, missing_part):
     out, err = capsys.readouterr()
     assert out == ""
     assert _one_line_naming(err, "nvrtc").startswith(f"python -m altup_cupy check: {what}")
+
+
+def test_check_without_a_gpu_compiles_the_chosen_op_and_names_what_needs_a_gpu(monkeypatch, capsys):
+    """`check --op collapse` without a GPU compiles the collapse's sources only (those its registry
+    names), and says that --suite, --rounds and --seed apply to the check on a GPU."""
+    from altup_cupy import _build
+    from altup_cupy.lab import compile_report
+    from altup_cupy.ops.collapse_versions import VERSIONS
+
+    monkeypatch.setattr(altup_main, "gpu_status", lambda: (False, "hidden by the test"))
+    monkeypatch.setattr(_build, "load_nvrtc", lambda: None)
+    compiled = []
+    monkeypatch.setattr(compile_report, "check_all", lambda sources: compiled.append(list(sources)) or 0)
+    assert main(["check", "--op", "collapse", "--rounds", "3", "--seed", "7"]) == 0
+    expected = {source.filename for version in VERSIONS.values() for source in version.sources}
+    assert [{source.filename for source in sources} for sources in compiled] == [expected]
+    assert len(compiled[0]) == len(expected)  # each source once
+    out = capsys.readouterr().out
+    assert "every kernel source of collapse" in out
+    assert "--rounds, --seed choose the inputs of the check on a GPU" in out
+    compiled.clear()
+    assert main(["check"]) == 0
+    assert [len(sources) for sources in compiled] == [len(_sources.ALL_SOURCES)]
+    assert "apply" not in capsys.readouterr().out
 
 
 def test_bench_model_suite_passes_its_arguments_through(tmp_path, monkeypatch):

@@ -61,11 +61,19 @@ def _progress(futures: list) -> list:
     return tqdm(futures, desc="compiled", unit="pair", file=sys.stderr)
 
 
-def check_all(archs=CHECK_ARCHS, workers: int = 2) -> int:
-    """Compile every source for every architecture it supports, print one table (architecture,
-    source, kernel, registers, spills, stack) and return 0 if everything compiled with no spills
-    and no stack frame, else 1."""
-    targets = offline_targets(ALL_SOURCES, archs)
+def op_sources(op: str) -> list[KernelSource]:
+    """The kernel sources the versions of benchmark op `op` launch (its registry's), each once."""
+    import importlib
+
+    versions = importlib.import_module(f"altup_cupy.ops.{op}_versions").VERSIONS
+    return list({source.filename: source for version in versions.values() for source in version.sources}.values())
+
+
+def check_all(archs=CHECK_ARCHS, workers: int = 2, sources=ALL_SOURCES) -> int:
+    """Compile every one of `sources` (default: all the package's) for every architecture it
+    supports, print one table (architecture, source, kernel, registers, spills, stack) and return
+    0 if everything compiled with no spills and no stack frame, else 1."""
+    targets = offline_targets(sources, archs)
     print(f"Compiling {len(targets)} (source, architecture) pairs with NVRTC, {workers} at a time ...",
           flush=True)
     pool, futures = compile_all(targets, workers)
