@@ -2,7 +2,14 @@
 skip torch's dispatcher.
 
 A version names the kernel sources it launches (their minimum compute capability is the
-version's), says which shapes it serves, and builds a launch plan for one shape. The dispatcher,
+version's), says which shapes it serves, and builds a launch plan for one shape. Every plan of
+every op is called the same way, on inputs the op has validated and outputs it has allocated:
+
+    plan(inputs, outputs, eps, stream, reuse_scratch)
+
+inputs and outputs: tuples of tensors in the op's order; eps: the op's float; stream: the raw
+CUDA stream handle the launches go to; reuse_scratch: whether scratch memory may be kept from call
+to call (the eager fast path only, see `_scratch`). The dispatcher,
 the tests, the benchmark and the figures all read the registry, so adding a version is its `.cu`
 file, its `KernelSource` in `_sources.py`, and one `Version` entry.
 """
@@ -25,7 +32,7 @@ class Version:
     note: str  # one line: what this version changed
     sources: Sequence[Any]  # the KernelSources it launches
     supports: Callable[..., bool]  # (streams, hidden) -> whether its kernels serve this shape
-    plan: Callable[..., Any]  # builds the launch plan of one shape (on a GPU)
+    plan: Callable[..., Any]  # builds the launch plan of one shape (on a GPU), called as above
     # Why it stays registered although the default beats it on every recorded workload (a teaching
     # step, a portable fallback); empty for a version that wins somewhere. tests/test_registry.py
     # checks the recorded benchmark against it.

@@ -164,9 +164,9 @@ _SPLIT_PARTIALS = StreamScratch()
 
 
 class HopperPlan:
-    """One shape's collapse v2 or v3 on one device, called as every collapse plan is:
-    (hidden_states, weights, out, eps, stream, reuse_scratch) with inputs the op has validated;
-    weights is [the stacked N-1 x H x H tensor] or the N-1 H x H matrices."""
+    """One shape's collapse v2 or v3 on one device, called as every plan is (`_registry`): inputs
+    (hidden_states, *weights), weights the stacked N-1 x H x H tensor or the N-1 H x H matrices;
+    outputs (out,)."""
 
     def __init__(self, version: int, streams: int, rows: int, hidden: int, stacked: bool, device: int):
         sms = _device.sm_count(device)
@@ -235,8 +235,10 @@ class HopperPlan:
         self.gemm(stream, t.grid, x_maps, w_maps, partials.data_ptr(), sumsq_ptr, *self.tile_fields)
         self.split_sum(stream, self.split_sum_grid, partials.data_ptr(), y_ptr, t.splits, self.y_floats // 4)
 
-    def __call__(self, hidden_states: torch.Tensor, weights: Sequence[torch.Tensor], out: torch.Tensor,
-                 eps: float, stream: int, reuse_scratch: bool) -> None:
+    def __call__(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor], eps: float, stream: int,
+                 reuse_scratch: bool) -> None:
+        hidden_states, *weights = inputs
+        out, = outputs
         device = hidden_states.device
         hs, out_ptr, rows = hidden_states.data_ptr(), out.data_ptr(), self.rows
         y = torch.empty(self.y_floats, dtype=torch.float32, device=device)

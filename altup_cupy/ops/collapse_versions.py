@@ -8,8 +8,8 @@ are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One bu
 workspace: reused from call to call on the eager fast path (`_scratch`), else allocated per call.
 v2, v3: the package's own Hopper GEMM (ops/collapse_hopper.py).
 
-A plan is built once per (version, N, M, H, stacked weights or a list, device) and called as
-(hidden_states, weights, out, eps, stream, reuse_scratch) on inputs the op has validated.
+A plan is built once per (version, N, M, H, stacked weights or a list, device) and called as every
+plan is (`_registry`): inputs (hidden_states, *weights), outputs (out,).
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ class V1Plan:
         self.gemm_workspace_offset = round_up(projection_bytes, 256)
         self.workspace_bytes = self.gemm_workspace_offset + max(g.workspace_bytes for g in self.gemms.values())
 
-    def __call__(self, hidden_states: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
-                 eps: float, stream: int, reuse_scratch: bool) -> None:
+    def __call__(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor], eps: float, stream: int,
+                 reuse_scratch: bool) -> None:
+        hidden_states, *weights = inputs
+        out, = outputs
         hidden, stream_elements = self.hidden, self.rows * self.hidden
         workspace = _WORKSPACE.get(self.workspace_bytes, hidden_states.device, stream, reuse_scratch)
         hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()

@@ -94,10 +94,10 @@ def _run_cuda(inputs, active_idx, eps, version, fast_path=False, make_plan=None)
     share one allocation and the scratch memory is reused (see _empty_grads, _scratch).
     make_plan: builds the plan instead of the version's own (see run_plan)."""
     streams, batch, seq, hidden, a, eps, device = validate(*inputs, active_idx, eps)
-    pointers = tuple(t.data_ptr() for t in inputs)
+    g, hs, act, _, _, R, w = inputs
     # The rows are read 16 bytes at a time (and by the bulk-copy engine): a view into a larger
     # tensor can start anywhere. The small coefficient matrices are read by scalar loads.
-    if (pointers[0] | pointers[1] | pointers[2] | pointers[5] | pointers[6]) % _arrays.VECTOR_ALIGNMENT:
+    if (g.data_ptr() | hs.data_ptr() | act.data_ptr() | R.data_ptr() | w.data_ptr()) % _arrays.VECTOR_ALIGNMENT:
         _arrays.check_aligned([(INPUT_NAMES[i], inputs[i]) for i in (0, 1, 2, 5, 6)])
     outs = _empty_grads(inputs[0], inputs[2], separate_weight_grads=not fast_path)
     tokens = batch * seq
@@ -109,7 +109,7 @@ def _run_cuda(inputs, active_idx, eps, version, fast_path=False, make_plan=None)
     if make_plan is None:
         make_plan = _version(version, streams, hidden, index).plan
     plan = make_plan(streams, a, tokens, hidden, index)
-    plan(pointers, outs, eps, torch._C._cuda_getCurrentRawStream(index), device, reuse_scratch=fast_path)
+    plan(inputs, outs, eps, torch._C._cuda_getCurrentRawStream(index), fast_path)
     return outs
 
 

@@ -10,7 +10,8 @@ v2-v4 write per-block partials of the weight gradients that the reduce kernel su
 order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
 
 A plan is built once per (version, N, active index, tokens, H, device; v4 also per ring-stage
-count): launch shape, occupancy, packed launches. Calling it takes the weight-gradient partials
+count): launch shape, occupancy, packed launches. It is called as every plan is (`_registry`):
+inputs the op's seven tensors, outputs its six gradients; a call takes the weight-gradient partials
 from scratch memory (`_scratch`: reused per stream on the eager fast path, else fresh) and
 launches.
 """
@@ -81,12 +82,12 @@ class FusedPlan:
         self.partial_floats = blocks * S.partial_stride(streams, hidden)
         self.tokens, self.hidden = tokens, hidden
 
-    def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
+    def __call__(self, inputs, outs, eps: float, stream: int, reuse_scratch: bool) -> None:
         # Held until both launches are queued: a buffer freed before its launch could be handed
         # to the next allocation of this call.
-        partials = _PARTIALS.get(4 * self.partial_floats, device, stream, reuse_scratch)
-        self.main(stream, self.blocks, *pointers, outs[0].data_ptr(), outs[1].data_ptr(), partials.data_ptr(),
-                  self.hidden, self.tokens, eps, *self.extra_args)
+        partials = _PARTIALS.get(4 * self.partial_floats, outs[0].device, stream, reuse_scratch)
+        self.main(stream, self.blocks, *(t.data_ptr() for t in inputs), outs[0].data_ptr(), outs[1].data_ptr(),
+                  partials.data_ptr(), self.hidden, self.tokens, eps, *self.extra_args)
         self.reduce(stream, partials.data_ptr(), self.blocks, outs)
 
 
@@ -116,11 +117,11 @@ class V1Plan:
         self.chunks = ceil_div(tokens, self.per_chunk)
         self.streams, self.active, self.tokens, self.hidden = streams, active, tokens, hidden
 
-    def __call__(self, pointers, outs, eps: float, stream: int, device: torch.device, reuse_scratch: bool) -> None:
+    def __call__(self, inputs, outs, eps: float, stream: int, reuse_scratch: bool) -> None:
         n, a, M, H = self.streams, self.active, self.tokens, self.hidden
-        g, hs, act, P, Q, R, w = pointers
+        g, hs, act, P, Q, R, w = (t.data_ptr() for t in inputs)
         grad_hs, grad_act = outs[0].data_ptr(), outs[1].data_ptr()
-        f32 = dict(dtype=torch.float32, device=device)
+        f32 = dict(dtype=torch.float32, device=outs[0].device)
         stats = torch.empty(M * S.token_stats_size(n), **f32)
         gx_p, gx_c = torch.empty(M * H, **f32), torch.empty(M * H, **f32)
         partials = torch.empty(self.chunks * S.partial_stride(n, H), **f32)
