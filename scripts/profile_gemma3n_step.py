@@ -22,12 +22,24 @@ With --kernels it instead profiles the GPU side of the compiled train and prefil
 patched: `kernels_<task>_<variant>.txt` lists every kernel's total GPU time over five steps, and
 the summary line gives a step's span on the GPU (first kernel start to last kernel end), the time
 some kernel ran, and the idle rest (where the GPU waited for the host).
+
+    python3 scripts/profile_gemma3n_step.py --in-step [--batch 1 --seq 256]
+
+With --in-step it measures the compiled train step, unpatched and patched: the wall time of 30
+synchronised steps (median, p10, p90, every sample sorted), with Python's garbage collector on and
+off; then, in 30 more steps of the patched model, the host time spent inside each of the package's
+functions that a step calls (the launchers of `gemma3n_kernels`, the Gemma operators' bodies and
+their fast shape check, the collapse's CUDA path), per step and per call. A call inside a step costs
+more than the same call repeated back to back (`scripts/host_breakdown.py`): between two of its calls
+the rest of the step runs, and the caches the call's code and data sat in hold other things.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
+import gc
 import io
 import pstats
 import statistics
@@ -38,8 +50,9 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from altup_cupy import gemma3n_kernels
+from altup_cupy import gemma3n_kernels, gemma3n_ops
 from altup_cupy.lab import gemma3n_model
+from altup_cupy.ops import collapse as collapse_op
 
 LAUNCHERS = ("predict_forward", "correct_forward", "predict_backward", "correct_backward", "expand_forward",
              "expand_backward", "collapse_backward")
@@ -173,6 +186,85 @@ def run_case(task: str, mode: str, variant: str, batch: int, seq: int, out_dir: 
     return f"{task:8s} {mode:8s} {variant:10s} {batch}x{seq}: wall {wall:7.2f} ms, graphs {graphs}, breaks {breaks}{detail}"
 
 
+# The package's functions a patched step calls, timed by --in-step: (module, function name).
+IN_STEP_FUNCTIONS = ([(gemma3n_kernels, name) for name in LAUNCHERS]
+                     + [(gemma3n_ops, name) for name in ("_predict_forward", "_correct_forward", "_kernels_take")]
+                     + [(collapse_op, "_run_cuda")])
+
+
+def _wall_samples(step, reps: int = 30) -> str:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    p10, p90 = gemma3n_model.p10_p90(times)
+    return (f"median {statistics.median(times):7.2f} ms, p10 {p10:7.2f}, p90 {p90:7.2f}; sorted: "
+            + " ".join(f"{t:.1f}" for t in sorted(times)))
+
+
+def _host_time_inside(step, steps: int = 30) -> list[str]:
+    """Lines: each IN_STEP_FUNCTIONS function's host time per step and per call over `steps`
+    back-to-back steps (the functions are wrapped by a timer for the duration, then restored; the
+    outer ones include the inner ones they call)."""
+    totals: dict[str, list] = {}
+    originals = [(module, name, getattr(module, name)) for module, name in IN_STEP_FUNCTIONS]
+
+    def timed(key, function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                entry = totals.setdefault(key, [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+        return wrapper
+
+    for module, name, function in originals:
+        setattr(module, name, timed(f"{module.__name__.removeprefix('altup_cupy.')}.{name}", function))
+    try:
+        for _ in range(2):
+            step()
+        totals.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = 1e3 * (time.perf_counter() - start) / steps
+    finally:
+        for module, name, function in originals:
+            setattr(module, name, function)
+    lines = [f"  timed: {wall:.2f} ms a step, back to back"]
+    for key, (seconds, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {key:40s} {1e3 * seconds / steps:7.3f} ms/step {calls / steps:5.1f} calls/step "
+                     f"{1e6 * seconds / calls:7.1f} us/call")
+    return lines
+
+
+def in_step(batch: int, seq: int) -> None:
+    for variant in ("unpatched", "patched"):
+        gemma3n_model._release()
+        model = gemma3n_model.build_model("mini", patched=variant == "patched")
+        step = gemma3n_model.make_step(model, "train", "compile", batch, seq)
+        for _ in range(4):
+            step()
+        print(f"train compile {variant:9s} {batch}x{seq}, gc on:  {_wall_samples(step)}", flush=True)
+        gc.collect()
+        gc.disable()
+        try:
+            print(f"train compile {variant:9s} {batch}x{seq}, gc off: {_wall_samples(step)}", flush=True)
+        finally:
+            gc.enable()
+        if variant == "patched":
+            print("\n".join(_host_time_inside(step)), flush=True)
+        del model, step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("--batch", type=int, default=1)
@@ -180,6 +272,9 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None, help="where the profiles go (none: no profiles)")
     parser.add_argument("--kernels", action="store_true",
                         help="GPU kernel tables of the compiled steps, unpatched and patched (needs --out-dir)")
+    parser.add_argument("--in-step", action="store_true",
+                        help="the compiled train step's wall time, and the host time of the package's functions "
+                             "inside it (module docstring)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: needs a CUDA GPU\n")
@@ -189,6 +284,9 @@ def main() -> None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    if args.in_step:
+        in_step(args.batch, args.seq)
+        return
     if args.kernels:
         for task in ("train", "prefill"):
             for variant in ("unpatched", "patched"):
