@@ -219,8 +219,8 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("check", help="verify the kernels against float64 on fresh random inputs (on a "
-                                     "GPU); without one, compile every kernel for sm_80, sm_86, sm_89 and "
-                                     "sm_90 and report spills")
+                                     "GPU); without one, compile every kernel (or --op's) for sm_80, sm_86, "
+                                     "sm_89 and sm_90 and report spills")
     p.add_argument("--op", choices=(*OPS, "all"), default="all")
     p.add_argument("--suite", choices=(*SUITES, "all"), default="benchmark")
     p.add_argument("--rounds", type=_at_least(1), default=1, help="fresh input draws per workload")

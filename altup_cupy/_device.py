@@ -130,8 +130,8 @@ def on(device: torch.device | int):
     """Make `device` (a CUDA device or its index) current for the duration, if it is not already
     (a launch goes to the current device's context)."""
     index = device if isinstance(device, int) else device.index
-    # torch._C._cuda_getDevice: torch.cuda.current_device without its lazy-initialisation check (a
-    # CUDA tensor or index in hand means CUDA is initialised), on every call of every op
+    # torch._C._cuda_getDevice: torch.cuda.current_device without its Python-level lazy-init call
+    # (the C++ call initialises lazily itself); it runs on every call of every op
     if index == torch._C._cuda_getDevice():
         return contextlib.nullcontext()
     return torch.cuda.device(index)

@@ -249,6 +249,35 @@ def test_runs_on_the_callers_torch_stream(seeds):
     _check(out, src_hs, ws, EPS, what="side stream")
 
 
+def test_threads_on_one_stream_never_share_scratch(seeds):
+    """Two threads call the collapse back to back on torch's default stream, which they share. Each
+    call borrows the reused projections' buffer only while it queues its launches (`_scratch`); had
+    both used it at once, one thread's epilogue would read the other's projections. Every result
+    must equal, bit for bit, that of the same call made alone."""
+    import threading
+
+    work = [_inputs(3, 1, 256, 3072, seeds()) for _ in range(2)]
+    alone = [collapse(w["hidden_states"], w["unembed_projs"], EPS) for w in work]
+    results: list[list[torch.Tensor]] = [[], []]
+    start = threading.Barrier(2)
+
+    def run(i):
+        start.wait()
+        for _ in range(200):
+            results[i].append(collapse(work[i]["hidden_states"], work[i]["unembed_projs"], EPS))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert len(results[i]) == 200
+        mismatched = sum(not torch.equal(_bits(out), _bits(alone[i])) for out in results[i])
+        assert mismatched == 0, f"thread {i}: {mismatched} of 200 results differ from the call made alone"
+
+
 # ---- workspace chunking, M = 0, past 2^31 elements ------------------------------------------------
 
 

@@ -231,9 +231,10 @@ class HopperPlan:
             self.gemm(stream, t.grid, x_maps, w_maps, y_ptr, sumsq_ptr, *self.tile_fields)
             return
         # Held until both launches are queued: freed earlier, it could be handed out again.
-        partials = _SPLIT_PARTIALS.get(4 * t.splits * self.y_floats, hidden_states.device, stream, reuse_scratch)
+        partials, key = _SPLIT_PARTIALS.take(4 * t.splits * self.y_floats, hidden_states.device, stream, reuse_scratch)
         self.gemm(stream, t.grid, x_maps, w_maps, partials.data_ptr(), sumsq_ptr, *self.tile_fields)
         self.split_sum(stream, self.split_sum_grid, partials.data_ptr(), y_ptr, t.splits, self.y_floats // 4)
+        _SPLIT_PARTIALS.give_back(partials, key)
 
     def __call__(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor], eps: float, stream: int,
                  reuse_scratch: bool) -> None:

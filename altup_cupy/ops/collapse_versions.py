@@ -61,7 +61,7 @@ class V1Plan:
         hidden_states, *weights = inputs
         out, = outputs
         hidden, stream_elements = self.hidden, self.rows * self.hidden
-        workspace = _WORKSPACE.get(self.workspace_bytes, hidden_states.device, stream, reuse_scratch)
+        workspace, key = _WORKSPACE.take(self.workspace_bytes, hidden_states.device, stream, reuse_scratch)
         hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()
         gemm_ws = ws + self.gemm_workspace_offset
         w_ptrs = [w.data_ptr() for w in weights]
@@ -75,6 +75,7 @@ class V1Plan:
                     gemm(x + 2 * k * stream_elements, w, ws + 4 * k * count * hidden, gemm_ws, stream)
             self.epilogue(stream, count, hs + 2 * first * hidden, ws, out_ptr + 2 * first * hidden,
                           hidden, count, eps)
+        _WORKSPACE.give_back(workspace, key)
 
 
 @functools.lru_cache(maxsize=256)

@@ -85,10 +85,11 @@ class FusedPlan:
     def __call__(self, inputs, outs, eps: float, stream: int, reuse_scratch: bool) -> None:
         # Held until both launches are queued: a buffer freed before its launch could be handed
         # to the next allocation of this call.
-        partials = _PARTIALS.get(4 * self.partial_floats, outs[0].device, stream, reuse_scratch)
+        partials, key = _PARTIALS.take(4 * self.partial_floats, outs[0].device, stream, reuse_scratch)
         self.main(stream, self.blocks, *(t.data_ptr() for t in inputs), outs[0].data_ptr(), outs[1].data_ptr(),
                   partials.data_ptr(), self.hidden, self.tokens, eps, *self.extra_args)
         self.reduce(stream, partials.data_ptr(), self.blocks, outs)
+        _PARTIALS.give_back(partials, key)
 
 
 # ---- v1 -----------------------------------------------------------------------------------------
