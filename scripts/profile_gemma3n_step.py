@@ -86,14 +86,7 @@ def _use_launchers(launchers: dict) -> None:
 
 
 def _wall_ms(step, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return statistics.median(gemma3n_model._wall_times(step, reps, cuda=True))
 
 
 def _write_profiles(step, path: Path) -> None:
@@ -193,13 +186,7 @@ IN_STEP_FUNCTIONS = ([(gemma3n_kernels, name) for name in LAUNCHERS]
 
 
 def _wall_samples(step, reps: int = 30) -> str:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
+    times = gemma3n_model._wall_times(step, reps, cuda=True)
     p10, p90 = gemma3n_model.p10_p90(times)
     return (f"median {statistics.median(times):7.2f} ms, p10 {p10:7.2f}, p90 {p90:7.2f}; sorted: "
             + " ".join(f"{t:.1f}" for t in sorted(times)))
