@@ -4,8 +4,9 @@ v1: the projections y_k = x_k @ W_k^T by cuBLASLt (bf16 in, fp32 out; one stride
 when the weights are stacked, one per weight otherwise; planned once per shape, on the current
 stream, so CUDA graphs capture them: `_cublas`), into an fp32 workspace; then one RawKernel
 (`collapse_epilogue_v1`) reads stream 0 and the projections once and writes the bf16 result. Rows
-are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One buffer holds a call's projections and cuBLASLt's
-workspace: reused from call to call on the eager fast path (`_scratch`), else allocated per call.
+are processed in blocks of at most `WORKSPACE_BYTES` of fp32 projections. One buffer holds a
+call's projections and cuBLASLt's workspace: lent from call to call on the eager fast path
+(`_scratch`), else allocated per call.
 v2, v3: the package's own Hopper GEMM (ops/collapse_hopper.py).
 
 A plan is built once per (version, N, M, H, stacked weights or a list, device) and called as every
