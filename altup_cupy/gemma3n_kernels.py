@@ -2,23 +2,28 @@
 
 Each launcher takes bf16 CUDA tensors already validated by `gemma3n_ops` (contiguous, 16-byte
 aligned rows, H % 8 == 0, 2 <= N <= 4) and runs on torch's current stream of the tensors'
-device. The GEMMs of the expansion and collapse run in cuBLASLt (`_cublas`: planned once per shape,
-called on addresses, so a call builds no tensor views): bf16 inputs and fp32 accumulation, the
-projections written in fp32 (never rounded before the epilogue) and the gradients rounded to bf16
-once. Each call's intermediates share one scratch allocation. The predict and correct backward write their
+device. Each step runs a launch plan built once per shape (`row_forward_plan`, `routed_backward_plan`,
+`expand_plan`, ...): its packed launches, grids, cuBLASLt GEMMs and scratch layout fixed, so a call
+allocates its outputs, looks the plan up once and stores addresses; plans are called as the
+benchmark ops' are (`ops/_registry`). The GEMMs of the expansion and collapse run in cuBLASLt
+(`_cublas`, called on addresses, so a call builds no tensor views): bf16 inputs and fp32
+accumulation, the projections written in fp32 (never rounded before the epilogue) and the
+gradients rounded to bf16 once. Each call's intermediates share one scratch allocation. The predict and correct backward write their
 weight gradients per block; `altup_router_grads_v1` sums them in a fixed order and finishes them
 in bf16: every result is bitwise deterministic.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import torch
 
 from . import _cublas, _device, _sources
 from ._build import KernelSource
-from ._launch import PackedLaunch, round_up
+from ._launch import PackedLaunch, ceil_div, round_up
+from ._scratch import StreamScratch
 
 STREAMS = _sources.SUPPORTED_STREAMS
 MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in H / 8 threads
@@ -118,33 +123,6 @@ KERNELS = {
 }
 DEFAULT = {step: len(versions) for step, versions in KERNELS.items()}  # version numbers count from 1
 
-# The packed launches built so far, one per kernel version, instantiation, device, block size and
-# shared-memory size: a launch converts no argument and looks up no kernel after the first.
-_PACKED: dict[tuple, PackedLaunch] = {}
-
-
-def _packed_launch(key: tuple) -> PackedLaunch:
-    step, version, params, device, threads, shared_mem = key
-    with _device.on(device):
-        entry = KERNELS[step][version - 1]
-        kernel = entry.source.kernel(entry.instance(params))
-        if shared_mem > kernel.max_dynamic_shared_size_bytes:
-            kernel.max_dynamic_shared_size_bytes = shared_mem
-        launch = _PACKED[key] = PackedLaunch(kernel, threads, shared_mem, entry.arg_types)
-    return launch
-
-
-def _launch(step: str, params: tuple, device: int, grid: int, threads: int, args, shared_mem: int = 0,
-            version: int | None = None) -> None:
-    """One launch of version `version` (default: DEFAULT[step]) of KERNELS[step]<params> on torch's
-    current stream of CUDA device `device` (its raw handle: a capture of that stream captures the
-    launch). The arguments are plain Python numbers: the packed launch stores them by the kernel's
-    argument types."""
-    key = (step, version or DEFAULT[step], params, device, threads, shared_mem)
-    launch = _PACKED.get(key) or _packed_launch(key)
-    with _device.on(device):  # the kernel lives in `device`'s context
-        launch(torch._C._cuda_getCurrentRawStream(device), grid, *args)
-
 
 def check_version(step: str, version: int | None) -> int:
     """`version`, or the step's default for None; a ValueError names the versions there are."""
@@ -155,60 +133,56 @@ def check_version(step: str, version: int | None) -> int:
     return version
 
 
+@functools.lru_cache(maxsize=None)
+def _row_launch(step: str, version: int, params: tuple, device: int, threads: int, shared_mem: int = 0) -> PackedLaunch:
+    """The packed launch of version `version` of KERNELS[step]<params> on CUDA device `device`,
+    built once; plans hold theirs, so a call looks up nothing."""
+    with _device.on(device):
+        entry = KERNELS[step][version - 1]
+        kernel = entry.source.kernel(entry.instance(params))
+        if shared_mem > kernel.max_dynamic_shared_size_bytes:
+            kernel.max_dynamic_shared_size_bytes = shared_mem
+        return PackedLaunch(kernel, threads, shared_mem, entry.arg_types)
+
+
+def _stream(device: int) -> int:
+    """torch's current stream of CUDA device `device`, as a raw handle (a capture of that stream
+    captures the launches)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+# ---- launch plans: one per step and shape, called as every plan of the package is (ops/_registry):
+#      plan(inputs, outputs, scalars, stream, reuse_scratch)
+
+class RowForwardPlan:
+    """The predict or correct forward at one shape: one block per token. inputs: predict (hidden
+    states, P, R, w), correct (predictions, activated, Q, R, w); outputs: (the N streams, the copy of
+    the active row or None); scalars: (eps, router_scale)."""
+
+    def __init__(self, step: str, streams: int, active: int, tokens: int, hidden: int, device: int):
+        self.launch = _row_launch(step, 1, (streams, active), device, _row_threads(hidden))
+        self.tokens, self.hidden = tokens, hidden
+
+    def __call__(self, inputs, outputs, scalars, stream: int, reuse_scratch: bool = False) -> None:
+        self.launch(stream, self.tokens, *_addresses(*inputs, *outputs), self.tokens, self.hidden, *scalars)
+
+
+@functools.lru_cache(maxsize=1024)
+def row_forward_plan(step: str, streams: int, active: int, tokens: int, hidden: int, device: int) -> RowForwardPlan:
+    return RowForwardPlan(step, streams, active, tokens, hidden, device)
+
+
 def _backward_blocks(device: int, tokens: int) -> int:
     return max(1, min(tokens, _device.sm_count(device) * BACKWARD_BLOCKS_PER_SM))
-
-
-def _partials(device: int, blocks: int, columns: int) -> tuple[torch.Tensor, int]:
-    """[blocks, stride] fp32 with the stride rounded up to 4 floats (16-byte aligned rows)."""
-    stride = (columns + 3) // 4 * 4
-    return torch.empty((blocks, stride), dtype=torch.float32, device=device), stride
-
-
-def _router_grads(partials: torch.Tensor, coef_columns: int, router_weight: torch.Tensor,
-                  norm_weight: torch.Tensor, router_scale: float):
-    """(grad of the coefficients, flat; grad R; grad w), bf16, from a backward kernel's partials
-    (kernels/altup_router_grads_v1.cu: the sums in a fixed order, then dR = s w S and
-    dw = s sum_n R_n S_n)."""
-    streams, hidden = router_weight.shape
-    grad_coefs = torch.empty(coef_columns, dtype=router_weight.dtype, device=router_weight.device)
-    grad_R, grad_w = torch.empty_like(router_weight), torch.empty_like(norm_weight)
-    # 32 columns a block, 32 chains of partial rows each: the hidden columns, then the coefficients
-    grid = (hidden + 31) // 32 + (coef_columns + 31) // 32
-    _launch("router_grads", (streams,), partials.get_device(), grid, 1024,
-            (partials.data_ptr(), partials.shape[0], partials.shape[1], hidden,
-             coef_columns, *_addresses(router_weight, norm_weight), router_scale,
-             *_addresses(grad_coefs, grad_R, grad_w)))
-    return grad_coefs, grad_R, grad_w
-
-
-def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx: int,
-                    eps: float, router_scale: float, with_active: bool = False):
-    """The predictions [N, B, S, H]; with_active: (predictions, a copy of predictions[active_idx])."""
-    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
-    tokens = hidden_states.numel() // (streams * hidden)
-    out = torch.empty_like(hidden_states)
-    active = torch.empty_like(hidden_states[0]) if with_active else None
-    _launch("predict_forward", (streams, active_idx), hidden_states.get_device(), tokens, _row_threads(hidden),
-            (*_addresses(hidden_states, prediction_coefs, router_weight, norm_weight, out, active),
-             tokens, hidden, eps, router_scale))
-    return (out, active) if with_active else out
-
-
-_ROUTED_DEFAULTS: dict[tuple[str, int, int, int], int] = {}
 
 
 def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
     """The predict or correct backward's default version on `device`: the newest whose shared
     memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. Slice-major sums take 48 KiB at N = 4,
     so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
-    key = (step, device, streams, hidden)
-    if key not in _ROUTED_DEFAULTS:
-        available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
-        fitting = [v for v, entry in enumerate(KERNELS[step], 1)
-                   if _dynamic_shared_bytes(entry, streams, hidden) <= available]
-        _ROUTED_DEFAULTS[key] = max(fitting, default=1)
-    return _ROUTED_DEFAULTS[key]
+    available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
+    fitting = [v for v, entry in enumerate(KERNELS[step], 1) if _dynamic_shared_bytes(entry, streams, hidden) <= available]
+    return max(fitting, default=1)
 
 
 def _dynamic_shared_bytes(entry: RowKernel, streams: int, hidden: int) -> int:
@@ -218,26 +192,218 @@ def _dynamic_shared_bytes(entry: RowKernel, streams: int, hidden: int) -> int:
     return 4 * streams * (hidden if entry.fixed[0] == "RowMajorSums" else 8 * _sources.ROW_THREADS_MAX)
 
 
-def _routed_backward(step: str, version: int | None, active_idx: int, tensors: Sequence[torch.Tensor],
-                     coef_columns: int, router_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     router_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches KERNELS[step] (the predict or correct backward) and sums its per-block partials.
+# The per-block weight-gradient partials of the predict and correct backward.
+_PARTIALS = StreamScratch()
 
-    tensors: the kernel's pointer arguments before the partials (None: a null pointer), the first one
-    [N, B, S, H], the second grad_active. A block's
-    partial row holds S (N * H columns, see `_router_grads`), then `coef_columns` coefficient-gradient
-    columns. Returns (the coefficient gradient, flat; grad R; grad w), in the weights' dtype (bf16)."""
-    like = tensors[0]
-    streams, hidden, device = like.shape[0], like.shape[-1], like.get_device()
-    tokens = like.numel() // (streams * hidden)
-    blocks, threads = _backward_blocks(device, tokens), _row_threads(hidden)
+
+class RoutedBackwardPlan:
+    """The predict or correct backward at one shape: its kernel writes the activation gradients and
+    one partial row per block (the router's S: N * H columns, then the coefficient gradient's
+    `coef_columns`), and `altup_router_grads_v1` sums the partials in a fixed order into the weight
+    gradients (dR = s w S, dw = s sum_n R_n S_n), finished in bf16.
+    inputs: (grad, grad_active or None, the forward's inputs: predict hidden states, P, R, w;
+    correct predictions, activated, Q, R, w); outputs: (the activation gradients: predict grad
+    hidden states; correct grad predictions, grad activated; then grad of the coefficients, grad R,
+    grad w); scalars: (eps, router_scale)."""
+
+    def __init__(self, step: str, version: int, streams: int, active: int, grad_active: bool, tokens: int,
+                 hidden: int, device: int):
+        coef_columns = streams ** (3 if step == "predict_backward" else 2)
+        self.blocks = _backward_blocks(device, tokens)
+        self.stride = round_up(streams * hidden + coef_columns, 4)  # 16-byte aligned partial rows
+        self.main = _row_launch(step, version, (streams, active, _CPP_BOOL[grad_active]), device, _row_threads(hidden),
+                                _dynamic_shared_bytes(KERNELS[step][version - 1], streams, hidden))
+        # 32 columns a block, 32 chains of partial rows each: the hidden columns, then the coefficients
+        self.sum = _row_launch("router_grads", 1, (streams,), device, 1024)
+        self.sum_grid = ceil_div(hidden, 32) + ceil_div(coef_columns, 32)
+        self.tokens, self.hidden, self.coef_columns = tokens, hidden, coef_columns
+
+    def __call__(self, inputs, outputs, scalars, stream: int, reuse_scratch: bool = False) -> None:
+        eps, router_scale = scalars
+        *activation_grads, grad_coefs, grad_R, grad_w = outputs
+        router_weight, norm_weight = inputs[-2:]
+        partials, key = _PARTIALS.take(4 * self.blocks * self.stride, router_weight.device, stream, reuse_scratch)
+        address = partials.data_ptr()
+        self.main(stream, self.blocks, *_addresses(*inputs, *activation_grads), address, self.stride, self.tokens,
+                  self.hidden, eps, router_scale)
+        self.sum(stream, self.sum_grid, address, self.blocks, self.stride, self.hidden, self.coef_columns,
+                 *_addresses(router_weight, norm_weight), router_scale, *_addresses(grad_coefs, grad_R, grad_w))
+        _PARTIALS.give_back(partials, key)
+
+
+@functools.lru_cache(maxsize=1024)
+def routed_backward_plan(step: str, version: int | None, streams: int, active: int, grad_active: bool, tokens: int,
+                         hidden: int, device: int) -> RoutedBackwardPlan:
+    """version None: `_routed_default`'s for the device."""
     version = _routed_default(step, device, streams, hidden) if version is None else check_version(step, version)
-    partials, stride = _partials(device, blocks, streams * hidden + coef_columns)
-    active = tensors[1] is not None  # grad_active: a template argument, no test or load without it
-    _launch(step, (streams, active_idx, _CPP_BOOL[active]), device, blocks, threads,
-            (*_addresses(*tensors), partials.data_ptr(), stride, tokens, hidden, eps, router_scale),
-            shared_mem=_dynamic_shared_bytes(KERNELS[step][version - 1], streams, hidden), version=version)
-    return _router_grads(partials, coef_columns, router_weight, norm_weight, router_scale)
+    return RoutedBackwardPlan(step, version, streams, active, grad_active, tokens, hidden, device)
+
+
+def _aligned(nbytes: int) -> int:
+    return round_up(nbytes, SCRATCH_ALIGNMENT)
+
+
+def _magnitude_match_launch(streams: int, base_grad_fp32: bool, hidden: int, device: int,
+                            version: int | None = None) -> PackedLaunch:
+    base_type = "float" if base_grad_fp32 else "unsigned short"
+    return _row_launch("magnitude_match_backward", check_version("magnitude_match_backward", version),
+                       (streams, base_type), device, _row_threads(hidden))
+
+
+# One call's intermediates and cuBLASLt workspace of the expansion and the collapse, one buffer.
+_GEMM_SCRATCH = StreamScratch()
+
+
+class ExpandPlan:
+    """The expansion at one shape: y_k = x0 W_k^T by cuBLASLt into column block k of the fp32
+    [M, (N-1) H] projections, then the magnitude match. inputs: (embeddings, W_1 .. W_{N-1});
+    outputs: (streams [N, B, S, H], projected [B, S, N-1, H] fp32); scalars: (floor,)."""
+
+    def __init__(self, streams: int, tokens: int, hidden: int, device: int):
+        with _device.on(device):
+            self.project = _cublas.Gemm(rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
+        self.epilogue = _row_launch("expand_forward", 1, (streams,), device, _row_threads(hidden))
+        self.streams, self.tokens, self.hidden = streams, tokens, hidden
+
+    def __call__(self, inputs, outputs, scalars, stream: int, reuse_scratch: bool = False) -> None:
+        embeddings, *projections = inputs
+        out, projected = outputs
+        floor, = scalars
+        tokens, hidden = self.tokens, self.hidden
+        workspace, key = _GEMM_SCRATCH.take(max(self.project.workspace_bytes, 1), embeddings.device, stream,
+                                            reuse_scratch)
+        x0, y = embeddings.data_ptr(), projected.data_ptr()
+        for k, w in enumerate(projections):
+            self.project(x0, w.data_ptr(), y + 4 * k * hidden, workspace.data_ptr(), stream)
+        self.epilogue(stream, tokens, x0, y, out.data_ptr(), hidden, (self.streams - 1) * hidden, tokens,
+                               hidden, floor)
+        _GEMM_SCRATCH.give_back(workspace, key)
+
+
+@functools.lru_cache(maxsize=256)
+def expand_plan(streams: int, tokens: int, hidden: int, device: int) -> ExpandPlan:
+    return ExpandPlan(streams, tokens, hidden, device)
+
+
+class ExpandBackwardPlan:
+    """The expansion's backward at one shape: the magnitude match's backward into gp (bf16
+    [M, (N-1) H], scratch) and the base rows' gradient (fp32); then grad_x0 += sum_k gp_k W_k
+    summed in fp32 by cuBLASLt, and grad W_k = gp_k^T x0 in one batched call, rounded to bf16 once.
+    inputs: (grad_streams, embeddings, W_1 .. W_{N-1}, projected); outputs: (grad_x0 fp32
+    [B, S, H], grad W bf16 [N-1, H, H]); scalars: (floor,)."""
+
+    def __init__(self, streams: int, tokens: int, hidden: int, device: int):
+        wide = (streams - 1) * hidden  # a row of the projections: N-1 column blocks of H
+        with _device.on(device):
+            self.to_base = _cublas.Gemm(rows=tokens, cols=hidden, inner=hidden, y_transposed=False, ldx=wide,
+                                        accumulate=True)
+            self.to_weights = _cublas.Gemm(rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+                                           y_transposed=False, ldx=wide, out_dtype=torch.bfloat16, batch=streams - 1,
+                                           x_batch_stride=hidden, d_batch_stride=hidden * hidden)
+        self.match = _magnitude_match_launch(streams, True, hidden, device)
+        self.workspace_offset = _aligned(2 * tokens * wide)
+        self.scratch_bytes = self.workspace_offset + max(self.to_base.workspace_bytes, self.to_weights.workspace_bytes)
+        self.streams, self.tokens, self.hidden, self.wide = streams, tokens, hidden, wide
+
+    def __call__(self, inputs, outputs, scalars, stream: int, reuse_scratch: bool = False) -> None:
+        grad_streams, embeddings, *projections, projected = inputs
+        grad_base, grad_weights = outputs
+        floor, = scalars
+        tokens, hidden = self.tokens, self.hidden
+        scratch, key = _GEMM_SCRATCH.take(self.scratch_bytes, embeddings.device, stream, reuse_scratch)
+        gp = scratch.data_ptr()
+        x0, base, workspace = embeddings.data_ptr(), grad_base.data_ptr(), gp + self.workspace_offset
+        self.match(stream, tokens, grad_streams.data_ptr(), x0, projected.data_ptr(), gp, base, tokens * hidden,
+                   1.0, hidden, self.wide, hidden, floor)
+        for k, w in enumerate(projections):
+            self.to_base(gp + 2 * k * hidden, w.data_ptr(), base, workspace, stream)
+        self.to_weights(gp, x0, grad_weights.data_ptr(), workspace, stream)
+        _GEMM_SCRATCH.give_back(scratch, key)
+
+
+@functools.lru_cache(maxsize=256)
+def expand_backward_plan(streams: int, tokens: int, hidden: int, device: int) -> ExpandBackwardPlan:
+    return ExpandBackwardPlan(streams, tokens, hidden, device)
+
+
+class CollapseBackwardPlan:
+    """The collapse's backward at one shape: recompute y_k = s_k U_k^T (fp32, scratch), the
+    magnitude match's backward into gp (bf16, scratch) and grad s_0, then grad s_k = gp_k U_k and
+    grad U_k = gp_k^T s_k (one batched call, fp32 sums rounded to bf16 once).
+    inputs: (grad_output, hidden_states, U_1 .. U_{N-1}); outputs: (grad_hidden_states,
+    grad U [N-1, H, H]); scalars: (floor,)."""
+
+    def __init__(self, streams: int, tokens: int, hidden: int, device: int):
+        plane = tokens * hidden  # one stream's rows
+        with _device.on(device):
+            self.project = _cublas.Gemm(rows=tokens, cols=hidden, inner=hidden)
+            self.to_streams = _cublas.Gemm(rows=tokens, cols=hidden, inner=hidden, y_transposed=False,
+                                           out_dtype=torch.bfloat16)
+            self.to_weights = _cublas.Gemm(rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
+                                           y_transposed=False, out_dtype=torch.bfloat16, batch=streams - 1,
+                                           x_batch_stride=plane, y_batch_stride=plane, d_batch_stride=hidden * hidden)
+        self.match = _magnitude_match_launch(streams, False, hidden, device)
+        # scratch: y [N-1, M, H] fp32, then gp [N-1, M, H] bf16, then the GEMMs' workspace
+        self.gp_offset = _aligned(4 * (streams - 1) * plane)
+        self.workspace_offset = self.gp_offset + _aligned(2 * (streams - 1) * plane)
+        self.scratch_bytes = self.workspace_offset + max(
+            self.project.workspace_bytes, self.to_streams.workspace_bytes, self.to_weights.workspace_bytes)
+        self.streams, self.tokens, self.hidden, self.plane = streams, tokens, hidden, plane
+
+    def __call__(self, inputs, outputs, scalars, stream: int, reuse_scratch: bool = False) -> None:
+        grad_output, hidden_states, *projections = inputs
+        grad_s, grad_weights = outputs
+        floor, = scalars
+        plane = self.plane
+        scratch, key = _GEMM_SCRATCH.take(self.scratch_bytes, hidden_states.device, stream, reuse_scratch)
+        y = scratch.data_ptr()
+        gp, workspace = y + self.gp_offset, y + self.workspace_offset
+        s, ds = hidden_states.data_ptr(), grad_s.data_ptr()
+        weights = [u.data_ptr() for u in projections]
+        for k, u in enumerate(weights):
+            self.project(s + 2 * (k + 1) * plane, u, y + 4 * k * plane, workspace, stream)
+        self.match(stream, self.tokens, grad_output.data_ptr(), s, y, gp, ds, 0, 1.0 / self.streams, plane,
+                   self.hidden, self.hidden, floor)
+        for k, u in enumerate(weights):
+            self.to_streams(gp + 2 * k * plane, u, ds + 2 * (k + 1) * plane, workspace, stream)
+        self.to_weights(gp, s + 2 * plane, grad_weights.data_ptr(), workspace, stream)
+        _GEMM_SCRATCH.give_back(scratch, key)
+
+
+@functools.lru_cache(maxsize=256)
+def collapse_backward_plan(streams: int, tokens: int, hidden: int, device: int) -> CollapseBackwardPlan:
+    return CollapseBackwardPlan(streams, tokens, hidden, device)
+
+
+# ---- the launchers: allocate a step's outputs, run its plan on torch's current stream ----------
+
+def predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx: int,
+                    eps: float, router_scale: float, with_active: bool = False):
+    """The predictions [N, B, S, H]; with_active: (predictions, a copy of predictions[active_idx])."""
+    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    device = hidden_states.get_device()
+    out = torch.empty_like(hidden_states)
+    active = torch.empty_like(hidden_states[0]) if with_active else None
+    plan = row_forward_plan("predict_forward", streams, active_idx, hidden_states.numel() // (streams * hidden), hidden,
+                            device)
+    with _device.on(device):
+        plan((hidden_states, prediction_coefs, router_weight, norm_weight), (out, active), (eps, router_scale),
+             _stream(device))
+    return (out, active) if with_active else out
+
+
+def correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx: int,
+                    eps: float, router_scale: float, with_active: bool = False):
+    """The corrected streams [N, B, S, H]; with_active: (corrected, a copy of corrected[active_idx])."""
+    streams, hidden = predictions.shape[0], predictions.shape[-1]
+    device = predictions.get_device()
+    out = torch.empty_like(predictions)
+    active = torch.empty_like(activated) if with_active else None
+    plan = row_forward_plan("correct_forward", streams, active_idx, activated.numel() // hidden, hidden, device)
+    with _device.on(device):
+        plan((predictions, activated, correction_coefs, router_weight, norm_weight), (out, active),
+             (eps, router_scale), _stream(device))
+    return (out, active) if with_active else out
 
 
 def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
@@ -245,26 +411,16 @@ def predict_backward(grad_predictions, hidden_states, prediction_coefs, router_w
                      grad_active: torch.Tensor | None = None) -> PredictGradients:
     """`version`: of KERNELS["predict_backward"] (None: `_routed_default`); every version gives the same bits.
     grad_active: the gradient of the forward's separate copy of the active prediction, [B, S, H]."""
-    streams = hidden_states.shape[0]
-    grad_h = torch.empty_like(hidden_states)
-    grad_P, grad_R, grad_w = _routed_backward(
-        "predict_backward", version, active_idx,
-        (grad_predictions, grad_active, hidden_states, prediction_coefs, router_weight,
-         norm_weight, grad_h), streams ** 3, router_weight, norm_weight, eps, router_scale)
-    return PredictGradients(grad_h, grad_P.view(streams * streams, streams), grad_R, grad_w)
-
-
-def correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx: int,
-                    eps: float, router_scale: float, with_active: bool = False):
-    """The corrected streams [N, B, S, H]; with_active: (corrected, a copy of corrected[active_idx])."""
-    streams, hidden = predictions.shape[0], predictions.shape[-1]
-    tokens = activated.numel() // hidden
-    out = torch.empty_like(predictions)
-    active = torch.empty_like(activated) if with_active else None
-    _launch("correct_forward", (streams, active_idx), predictions.get_device(), tokens, _row_threads(hidden),
-            (*_addresses(predictions, activated, correction_coefs, router_weight, norm_weight, out, active),
-             tokens, hidden, eps, router_scale))
-    return (out, active) if with_active else out
+    streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    device = hidden_states.get_device()
+    outputs = PredictGradients(torch.empty_like(hidden_states), torch.empty_like(prediction_coefs),
+                               torch.empty_like(router_weight), torch.empty_like(norm_weight))
+    plan = routed_backward_plan("predict_backward", version, streams, active_idx, grad_active is not None,
+                                hidden_states.numel() // (streams * hidden), hidden, device)
+    with _device.on(device):
+        plan((grad_predictions, grad_active, hidden_states, prediction_coefs, router_weight, norm_weight), outputs,
+             (eps, router_scale), _stream(device))
+    return outputs
 
 
 def correct_backward(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight,
@@ -272,102 +428,68 @@ def correct_backward(grad_corrected, predictions, activated, correction_coefs, r
                      grad_active: torch.Tensor | None = None) -> CorrectGradients:
     """`version`: of KERNELS["correct_backward"] (None: `_routed_default`); every version gives the same bits.
     grad_active: the gradient of the forward's separate copy of the corrected active row, [B, S, H]."""
-    streams = predictions.shape[0]
-    grad_pred, grad_x = torch.empty_like(predictions), torch.empty_like(activated)
-    grad_Q, grad_R, grad_w = _routed_backward(
-        "correct_backward", version, active_idx,
-        (grad_corrected, grad_active, predictions, activated, correction_coefs, router_weight,
-         norm_weight, grad_pred, grad_x), streams ** 2, router_weight, norm_weight, eps, router_scale)
-    return CorrectGradients(grad_pred, grad_x, grad_Q.view(streams, streams), grad_R, grad_w)
-
-
-def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
-    """One call's intermediates and cuBLASLt workspace, one allocation (at least 1 byte, so its
-    address is real). Callers hold the tensor until they return: the launches that use its address
-    are queued after the allocation, and a tensor dropped before them could hand its memory to an
-    allocation made in between."""
-    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-
-
-def _aligned(nbytes: int) -> int:
-    return round_up(nbytes, SCRATCH_ALIGNMENT)
+    streams, hidden = predictions.shape[0], predictions.shape[-1]
+    device = predictions.get_device()
+    outputs = CorrectGradients(torch.empty_like(predictions), torch.empty_like(activated),
+                               torch.empty_like(correction_coefs), torch.empty_like(router_weight),
+                               torch.empty_like(norm_weight))
+    plan = routed_backward_plan("correct_backward", version, streams, active_idx, grad_active is not None,
+                                activated.numel() // hidden, hidden, device)
+    with _device.on(device):
+        plan((grad_corrected, grad_active, predictions, activated, correction_coefs, router_weight, norm_weight),
+             outputs, (eps, router_scale), _stream(device))
+    return outputs
 
 
 def expand_forward(embeddings, projections: Sequence[torch.Tensor], floor: float):
     """(streams [N, B, S, H] bf16, projected [B, S, N-1, H] fp32: x0 @ W_k^T, kept for the backward)."""
     hidden = embeddings.shape[-1]
     streams = len(projections) + 1
-    tokens = embeddings.numel() // hidden
     device = embeddings.get_device()
     projected = torch.empty((*embeddings.shape[:-1], streams - 1, hidden), dtype=torch.float32,
                             device=embeddings.device)
     out = torch.empty((streams, *embeddings.shape), dtype=embeddings.dtype, device=embeddings.device)
+    plan = expand_plan(streams, embeddings.numel() // hidden, hidden, device)
     with _device.on(device):
-        # y_k = x0 W_k^T into its column block of the [M, (N-1) H] rows
-        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, ldd=(streams - 1) * hidden)
-        scratch = _scratch(project.workspace_bytes, embeddings.device)
-        workspace = scratch.data_ptr()
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        x0, y = embeddings.data_ptr(), projected.data_ptr()
-        for k, w in enumerate(projections):
-            project(x0, w.data_ptr(), y + 4 * k * hidden, workspace, stream)
-    expand_epilogue(device, streams, tokens, hidden, x0, y, out.data_ptr(), floor)
+        plan((embeddings, *projections), (out, projected), (floor,), _stream(device))
     return out, projected
 
 
 def expand_epilogue(device: int, streams: int, tokens: int, hidden: int, x0: int, projected: int, out: int,
                     floor: float) -> None:
-    """out[0] = x0 and out[k] = projected[:, k-1] scaled to x0's root mean square (addresses of x0
-    bf16 [M, H], projected fp32 [M, N-1, H], out bf16 [N, M, H])."""
-    _launch("expand_forward", (streams,), device, tokens, _row_threads(hidden),
-            (x0, projected, out, hidden, (streams - 1) * hidden, tokens, hidden, floor))
+    """The expansion's magnitude match alone, on addresses: out[0] = x0 and out[k] = projected[:, k-1]
+    scaled to x0's root mean square (x0 bf16 [M, H], projected fp32 [M, N-1, H], out bf16 [N, M, H])."""
+    with _device.on(device):
+        _row_launch("expand_forward", 1, (streams,), device, _row_threads(hidden))(
+            _stream(device), tokens, x0, projected, out, hidden, (streams - 1) * hidden, tokens, hidden, floor)
 
 
 def magnitude_match_backward(device: int, streams: int, tokens: int, hidden: int, grad: int, grad_stream_stride: int,
                              grad_scale: float, base: int, projected: int, proj_strides: tuple[int, int],
                              grad_projected: int, grad_base: int, base_grad_fp32: bool, floor: float,
                              version: int | None = None) -> None:
-    """The magnitude match's backward (kernels/altup_magnitude_match_v1.cu) on addresses: g_k at
-    grad + k * grad_stream_stride (bf16 rows, scaled by grad_scale), the base rows and the fp32
+    """The magnitude match's backward alone (kernels/altup_magnitude_match_v1.cu), on addresses: g_k
+    at grad + k * grad_stream_stride (bf16 rows, scaled by grad_scale), the base rows and the fp32
     projections, element (k, t, d) of the projections and their gradient (bf16) at
     k * proj_strides[0] + t * proj_strides[1] + d; the base rows' gradient in fp32 or bf16.
     `version`: of KERNELS["magnitude_match_backward"] (None: the default); every version gives the
     same bits."""
-    base_type = "float" if base_grad_fp32 else "unsigned short"
-    _launch("magnitude_match_backward", (streams, base_type), device, tokens, _row_threads(hidden),
-            (grad, base, projected, grad_projected, grad_base, grad_stream_stride, grad_scale,
-             proj_strides[0], proj_strides[1], hidden, floor),
-            version=check_version("magnitude_match_backward", version))
+    with _device.on(device):
+        _magnitude_match_launch(streams, base_grad_fp32, hidden, device, version)(
+            _stream(device), tokens, grad, base, projected, grad_projected, grad_base, grad_stream_stride, grad_scale,
+            proj_strides[0], proj_strides[1], hidden, floor)
 
 
 def expand_backward(grad_streams, embeddings, projections: Sequence[torch.Tensor], projected, floor: float):
     """(grad_embeddings bf16 [B, S, H], grad W bf16 [N-1, H, H]): the weight gradients accumulated in
     fp32 and rounded once."""
     streams, hidden = grad_streams.shape[0], embeddings.shape[-1]
-    tokens = embeddings.numel() // hidden
-    wide = (streams - 1) * hidden  # a row of the projections: N-1 column blocks of H
     device = embeddings.get_device()
+    grad_base = torch.empty(embeddings.shape, dtype=torch.float32, device=embeddings.device)
+    grad_weights = torch.empty((streams - 1, hidden, hidden), dtype=embeddings.dtype, device=embeddings.device)
+    plan = expand_backward_plan(streams, embeddings.numel() // hidden, hidden, device)
     with _device.on(device):
-        # grad_x0 = grad_base + sum_k gp_k W_k, summed in fp32 into grad_base, rounded once
-        to_base = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False, ldx=wide,
-                               accumulate=True)
-        # grad W_k = gp_k^T x0, one batched call: gp_k is the k-th column block, x0 the same for all k
-        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
-                                  y_transposed=False, ldx=wide, out_dtype=embeddings.dtype, batch=streams - 1,
-                                  x_batch_stride=hidden, d_batch_stride=hidden * hidden)
-        grad_base = torch.empty(embeddings.shape, dtype=torch.float32, device=embeddings.device)
-        grad_weights = torch.empty((streams - 1, hidden, hidden), dtype=embeddings.dtype, device=embeddings.device)
-        workspace_offset = _aligned(2 * tokens * wide)
-        scratch = _scratch(workspace_offset + max(to_base.workspace_bytes, to_weights.workspace_bytes),
-                           embeddings.device)
-        gp = scratch.data_ptr()
-        x0, base, workspace = embeddings.data_ptr(), grad_base.data_ptr(), gp + workspace_offset
-        magnitude_match_backward(device, streams, tokens, hidden, grad_streams.data_ptr(), tokens * hidden, 1.0, x0,
-                                 projected.data_ptr(), (hidden, wide), gp, base, True, floor)
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        for k, w in enumerate(projections):
-            to_base(gp + 2 * k * hidden, w.data_ptr(), base, workspace, stream)
-        to_weights(gp, x0, grad_weights.data_ptr(), workspace, stream)
+        plan((grad_streams, embeddings, *projections, projected), (grad_base, grad_weights), (floor,), _stream(device))
     return grad_base.to(embeddings.dtype), grad_weights
 
 
@@ -375,34 +497,10 @@ def collapse_backward(grad_output, hidden_states, projections: Sequence[torch.Te
     """(grad_hidden_states bf16 [N, B, S, H], grad U bf16 [N-1, H, H]); recomputes y_k. The weight
     gradients are accumulated in fp32 and rounded once."""
     streams, hidden = hidden_states.shape[0], hidden_states.shape[-1]
-    tokens = grad_output.numel() // hidden
-    plane = tokens * hidden  # one stream's rows
     device = hidden_states.get_device()
+    grad_s = torch.empty_like(hidden_states)
+    grad_weights = torch.empty((streams - 1, hidden, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
+    plan = collapse_backward_plan(streams, grad_output.numel() // hidden, hidden, device)
     with _device.on(device):
-        project = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden)  # y_k = s_k U_k^T, fp32
-        to_streams = _cublas.plan(device, rows=tokens, cols=hidden, inner=hidden, y_transposed=False,
-                                  out_dtype=hidden_states.dtype)  # grad s_k = gp_k U_k
-        # grad U_k = gp_k^T s_k, one batched call over k
-        to_weights = _cublas.plan(device, rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
-                                  y_transposed=False, out_dtype=hidden_states.dtype, batch=streams - 1,
-                                  x_batch_stride=plane, y_batch_stride=plane, d_batch_stride=hidden * hidden)
-        grad_s = torch.empty_like(hidden_states)
-        grad_weights = torch.empty((streams - 1, hidden, hidden), dtype=hidden_states.dtype,
-                                   device=hidden_states.device)
-        # scratch: y [N-1, M, H] fp32, then gp [N-1, M, H] bf16, then the GEMMs' workspace
-        gp_offset = _aligned(4 * (streams - 1) * plane)
-        workspace_offset = gp_offset + _aligned(2 * (streams - 1) * plane)
-        scratch = _scratch(workspace_offset + max(project.workspace_bytes, to_streams.workspace_bytes,
-                                                  to_weights.workspace_bytes), hidden_states.device)
-        y = scratch.data_ptr()
-        gp, workspace = y + gp_offset, y + workspace_offset
-        s, ds = hidden_states.data_ptr(), grad_s.data_ptr()
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        for k, u in enumerate(projections):
-            project(s + 2 * (k + 1) * plane, u.data_ptr(), y + 4 * k * plane, workspace, stream)
-        magnitude_match_backward(device, streams, tokens, hidden, grad_output.data_ptr(), 0, 1.0 / streams, s, y,
-                                 (plane, hidden), gp, ds, False, floor)
-        for k, u in enumerate(projections):
-            to_streams(gp + 2 * k * plane, u.data_ptr(), ds + 2 * (k + 1) * plane, workspace, stream)
-        to_weights(gp, s + 2 * plane, grad_weights.data_ptr(), workspace, stream)
+        plan((grad_output, hidden_states, *projections), (grad_s, grad_weights), (floor,), _stream(device))
     return grad_s, grad_weights

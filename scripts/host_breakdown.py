@@ -66,7 +66,7 @@ def parts(profile_dir: Path | None) -> list[tuple[str, object]]:
     rows += [("collapse: altup_cupy.collapse", lambda: altup_cupy.collapse(hs, ws, eps)),
              ("collapse: torch.ops.altup_cupy.collapse", lambda: torch.ops.altup_cupy.collapse(hs, [ws], eps)),
              ("collapse: validate", lambda: C.validate(hs, [ws], eps, launching=True)),
-             ("collapse: plan call (v1: GEMM + epilogue)", lambda: plan((hs, ws), (out,), eps, stream, True))]
+             ("collapse: plan call (v1: GEMM + epilogue)", lambda: plan((hs, ws), (out,), (eps,), stream, True))]
     if hasattr(plan, "gemms"):  # v1's parts: the cuBLASLt call and the epilogue's launch alone
         buffer = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
         gemm, first_projection = plan.gemms[batch * seq], hs.data_ptr() + 2 * batch * seq * hidden
@@ -93,7 +93,7 @@ def parts(profile_dir: Path | None) -> list[tuple[str, object]]:
              ("backward: outputs, weight gradients as views of one allocation",
               lambda: P._empty_grads(args[0], args[2], separate_weight_grads=False)),
              ("backward: outputs, six allocations", lambda: P._empty_grads(args[0], args[2], separate_weight_grads=True)),
-             ("backward: plan call (main kernel + reduction)", lambda: backward_plan(args, grads, eps, stream, True))]
+             ("backward: plan call (main kernel + reduction)", lambda: backward_plan(args, grads, (eps,), stream, True))]
     if profile_dir is not None:
         _cprofile(lambda: altup_cupy.predict_correct_backward(*args, active, eps), profile_dir / "cprofile_backward.txt")
     return rows + _gemma3n_parts(profile_dir)

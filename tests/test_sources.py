@@ -175,6 +175,5 @@ def test_the_routed_backward_default_keeps_two_blocks_an_sm(monkeypatch, shared_
     from altup_cupy import _device, gemma3n_kernels
 
     monkeypatch.setattr(_device, "shared_memory_per_sm", lambda index: shared_per_sm)
-    monkeypatch.setattr(gemma3n_kernels, "_ROUTED_DEFAULTS", {})
     assert gemma3n_kernels._routed_default("predict_backward", 0, streams, 2048) == predict_version
     assert gemma3n_kernels._routed_default("correct_backward", 0, streams, 2048) == correct_version

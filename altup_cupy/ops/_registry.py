@@ -5,9 +5,10 @@ A version names the kernel sources it launches (their minimum compute capability
 version's), says which shapes it serves, and builds a launch plan for one shape. Every plan of
 every op is called the same way, on inputs the op has validated and outputs it has allocated:
 
-    plan(inputs, outputs, eps, stream, reuse_scratch)
+    plan(inputs, outputs, scalars, stream, reuse_scratch)
 
-inputs and outputs: tuples of tensors in the op's order; eps: the op's float; stream: the raw
+inputs and outputs: tuples of tensors in the op's order (None for an optional tensor left out);
+scalars: the op's float arguments in its schema's order (eps; eps, router_scale; floor); stream: the raw
 CUDA stream handle the launches go to; reuse_scratch: whether scratch memory may be kept from call
 to call (the eager fast path only, see `_scratch`). The dispatcher,
 the tests, the benchmark and the figures all read the registry, so adding a version is its `.cu`

@@ -68,7 +68,7 @@ def _run_cuda(hidden_states, unembed_projs, eps, version, fast_path=False):
     index = device.index
     stacked = unembed_projs[0].dim() == 3
     plan = _version(version, streams, hidden, index).plan(streams, rows, hidden, stacked, index)
-    plan((hidden_states, *unembed_projs), (out,), eps, torch._C._cuda_getCurrentRawStream(index), fast_path)
+    plan((hidden_states, *unembed_projs), (out,), (eps,), torch._C._cuda_getCurrentRawStream(index), fast_path)
     return out
 
 

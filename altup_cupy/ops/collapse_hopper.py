@@ -236,10 +236,11 @@ class HopperPlan:
         self.split_sum(stream, self.split_sum_grid, partials.data_ptr(), y_ptr, t.splits, self.y_floats // 4)
         _SPLIT_PARTIALS.give_back(partials, key)
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor], eps: float, stream: int,
-                 reuse_scratch: bool) -> None:
+    def __call__(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor], scalars: tuple[float],
+                 stream: int, reuse_scratch: bool) -> None:
         hidden_states, *weights = inputs
         out, = outputs
+        eps, = scalars
         device = hidden_states.device
         hs, out_ptr, rows = hidden_states.data_ptr(), out.data_ptr(), self.rows
         y = torch.empty(self.y_floats, dtype=torch.float32, device=device)

@@ -57,10 +57,11 @@ class V1Plan:
         self.gemm_workspace_offset = round_up(projection_bytes, 256)
         self.workspace_bytes = self.gemm_workspace_offset + max(g.workspace_bytes for g in self.gemms.values())
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor], eps: float, stream: int,
-                 reuse_scratch: bool) -> None:
+    def __call__(self, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor], scalars: tuple[float],
+                 stream: int, reuse_scratch: bool) -> None:
         hidden_states, *weights = inputs
         out, = outputs
+        eps, = scalars
         hidden, stream_elements = self.hidden, self.rows * self.hidden
         workspace, key = _WORKSPACE.take(self.workspace_bytes, hidden_states.device, stream, reuse_scratch)
         hs, ws, out_ptr = hidden_states.data_ptr(), workspace.data_ptr(), out.data_ptr()

@@ -109,7 +109,7 @@ def _run_cuda(inputs, active_idx, eps, version, fast_path=False, make_plan=None)
     if make_plan is None:
         make_plan = _version(version, streams, hidden, index).plan
     plan = make_plan(streams, a, tokens, hidden, index)
-    plan(inputs, outs, eps, torch._C._cuda_getCurrentRawStream(index), fast_path)
+    plan(inputs, outs, (eps,), torch._C._cuda_getCurrentRawStream(index), fast_path)
     return outs
 
 

@@ -82,7 +82,8 @@ class FusedPlan:
         self.partial_floats = blocks * S.partial_stride(streams, hidden)
         self.tokens, self.hidden = tokens, hidden
 
-    def __call__(self, inputs, outs, eps: float, stream: int, reuse_scratch: bool) -> None:
+    def __call__(self, inputs, outs, scalars: tuple[float], stream: int, reuse_scratch: bool) -> None:
+        eps, = scalars
         # Held until both launches are queued: a buffer freed before its launch could be handed
         # to the next allocation of this call.
         partials, key = _PARTIALS.take(4 * self.partial_floats, outs[0].device, stream, reuse_scratch)
@@ -118,7 +119,8 @@ class V1Plan:
         self.chunks = ceil_div(tokens, self.per_chunk)
         self.streams, self.active, self.tokens, self.hidden = streams, active, tokens, hidden
 
-    def __call__(self, inputs, outs, eps: float, stream: int, reuse_scratch: bool) -> None:
+    def __call__(self, inputs, outs, scalars: tuple[float], stream: int, reuse_scratch: bool) -> None:
+        eps, = scalars
         n, a, M, H = self.streams, self.active, self.tokens, self.hidden
         g, hs, act, P, Q, R, w = (t.data_ptr() for t in inputs)
         grad_hs, grad_act = outs[0].data_ptr(), outs[1].data_ptr()
