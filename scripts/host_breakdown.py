@@ -6,7 +6,8 @@ parts they are made of, each timed alone, back to back.
 `host_overhead.csv` (altup_cupy.lab.host_overhead) says what a call costs against one torch.matmul;
 this says what the cost is made of: the collapse and the predict-correct backward at M = 256 (the
 benchmark's N and H), their checks, output allocations, launch plans and the plans' launches alone,
-then Gemma 3n's operators at 1 x 256 (N = 4, H = 2048) through torch.ops with no autograd. Each row is
+then Gemma 3n's operators at 1 x 256 (N = 4, H = 2048) through torch.ops with no autograd; two rows
+time the interpreter alone (to compare hosts: the package's host path is Python). Each row is
 bench.host_cost_us (200 calls back to back, median of 15 rounds). The parts overlap (a plan call
 holds its launches) and do not add up exactly to the whole: each is timed in a loop of its own,
 where its code and data stay in the caches (inside a model step they do not:
@@ -41,6 +42,21 @@ def _cprofile(fn, path: Path, calls: int = 3000) -> None:
     path.write_text(text.getvalue())
 
 
+def _one_line(value: int) -> int:
+    return value + 1
+
+
+def _python_calls() -> None:
+    for i in range(100):
+        _one_line(i)
+
+
+def _tensor_reads(t: torch.Tensor, count: int) -> None:
+    """What a validation reads of `count` tensors."""
+    for _ in range(count):
+        t.dtype, t.shape, t.is_contiguous(), t.data_ptr()
+
+
 def parts(profile_dir: Path | None) -> list[tuple[str, object]]:
     """(name, zero-argument call) of every part timed; writes the cProfiles on the way."""
     import altup_cupy
@@ -55,7 +71,11 @@ def parts(profile_dir: Path | None) -> list[tuple[str, object]]:
     x, w = torch.randn(256, 3072, device="cuda").bfloat16(), torch.randn(3072, 3072, device="cuda").bfloat16()
     rows = [("torch.matmul [256, 3072] x [3072, 3072]", lambda: torch.matmul(x, w)),
             ("torch.empty [1, 256, 3072] bf16", lambda: torch.empty((1, 256, 3072), dtype=torch.bfloat16, device="cuda")),
-            ("torch.empty_like [256, 3072]", lambda: torch.empty_like(x))]
+            ("torch.empty_like [256, 3072]", lambda: torch.empty_like(x)),
+            # the interpreter alone: hosts differ more in this than in torch's C++ calls, and the
+            # package's host path is Python
+            ("python: 100 calls of a one-line function", _python_calls),
+            ("python: 7 tensors' dtype, shape, contiguity, address", lambda: _tensor_reads(x, 7))]
 
     work = replace(benchmark_workloads("collapse")[0], batch_size=1, seq_len=256)
     inputs = op_bench("collapse").make_inputs(work, 0)
