@@ -8,9 +8,9 @@ allocates its outputs, looks the plan up once and stores addresses; plans are ca
 benchmark ops' are (`ops/_registry`). The GEMMs of the expansion and collapse run in cuBLASLt
 (`_cublas`, called on addresses, so a call builds no tensor views): bf16 inputs and fp32
 accumulation, the projections written in fp32 (never rounded before the epilogue) and the
-gradients rounded to bf16 once. Each call's intermediates share one scratch allocation. The predict and correct backward write their
-weight gradients per block; `altup_router_grads_v1` sums them in a fixed order and finishes them
-in bf16: every result is bitwise deterministic.
+gradients rounded to bf16 once. Each call's intermediates share one scratch allocation. The
+predict and correct backward write their weight gradients per block; `altup_router_grads_v1` sums
+them in a fixed order and finishes them in bf16: every result is bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
     memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. Slice-major sums take 48 KiB at N = 4,
     so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
     available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
-    fitting = [v for v, entry in enumerate(KERNELS[step], 1) if _dynamic_shared_bytes(entry, streams, hidden) <= available]
+    fitting = [v for v, entry in enumerate(KERNELS[step], 1)
+               if _dynamic_shared_bytes(entry, streams, hidden) <= available]
     return max(fitting, default=1)
 
 
@@ -250,6 +251,13 @@ def _magnitude_match_launch(streams: int, base_grad_fp32: bool, hidden: int, dev
                        (streams, base_type), device, _row_threads(hidden))
 
 
+def _magnitude_match(launch: PackedLaunch, stream: int, streams: int, tokens: int, hidden: int, x0: int,
+                     projected: int, out: int, floor: float) -> None:
+    """The expansion's magnitude match (`launch`: KERNELS["expand_forward"]) on addresses: x0 bf16
+    [M, H], the fp32 projections [M, N-1, H], out bf16 [N, M, H]; one block per token."""
+    launch(stream, tokens, x0, projected, out, hidden, (streams - 1) * hidden, tokens, hidden, floor)
+
+
 # One call's intermediates and cuBLASLt workspace of the expansion and the collapse, one buffer.
 _GEMM_SCRATCH = StreamScratch()
 
@@ -275,8 +283,7 @@ class ExpandPlan:
         x0, y = embeddings.data_ptr(), projected.data_ptr()
         for k, w in enumerate(projections):
             self.project(x0, w.data_ptr(), y + 4 * k * hidden, workspace.data_ptr(), stream)
-        self.epilogue(stream, tokens, x0, y, out.data_ptr(), hidden, (self.streams - 1) * hidden, tokens,
-                               hidden, floor)
+        _magnitude_match(self.epilogue, stream, self.streams, tokens, hidden, x0, y, out.data_ptr(), floor)
         _GEMM_SCRATCH.give_back(workspace, key)
 
 
@@ -460,8 +467,8 @@ def expand_epilogue(device: int, streams: int, tokens: int, hidden: int, x0: int
     """The expansion's magnitude match alone, on addresses: out[0] = x0 and out[k] = projected[:, k-1]
     scaled to x0's root mean square (x0 bf16 [M, H], projected fp32 [M, N-1, H], out bf16 [N, M, H])."""
     with _device.on(device):
-        _row_launch("expand_forward", 1, (streams,), device, _row_threads(hidden))(
-            _stream(device), tokens, x0, projected, out, hidden, (streams - 1) * hidden, tokens, hidden, floor)
+        _magnitude_match(_row_launch("expand_forward", 1, (streams,), device, _row_threads(hidden)), _stream(device),
+                         streams, tokens, hidden, x0, projected, out, floor)
 
 
 def magnitude_match_backward(device: int, streams: int, tokens: int, hidden: int, grad: int, grad_stream_stride: int,
