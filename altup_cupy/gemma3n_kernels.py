@@ -244,15 +244,15 @@ def _aligned(nbytes: int) -> int:
     return round_up(nbytes, SCRATCH_ALIGNMENT)
 
 
-def _magnitude_match_launch(streams: int, base_grad_fp32: bool, hidden: int, device: int,
+def _magnitude_match_backward_launch(streams: int, base_grad_fp32: bool, hidden: int, device: int,
                             version: int | None = None) -> PackedLaunch:
     base_type = "float" if base_grad_fp32 else "unsigned short"
     return _row_launch("magnitude_match_backward", check_version("magnitude_match_backward", version),
                        (streams, base_type), device, _row_threads(hidden))
 
 
-def _magnitude_match(launch: PackedLaunch, stream: int, streams: int, tokens: int, hidden: int, x0: int,
-                     projected: int, out: int, floor: float) -> None:
+def _run_expand_epilogue(launch: PackedLaunch, stream: int, streams: int, tokens: int, hidden: int, x0: int,
+                         projected: int, out: int, floor: float) -> None:
     """The expansion's magnitude match (`launch`: KERNELS["expand_forward"]) on addresses: x0 bf16
     [M, H], the fp32 projections [M, N-1, H], out bf16 [N, M, H]; one block per token."""
     launch(stream, tokens, x0, projected, out, hidden, (streams - 1) * hidden, tokens, hidden, floor)
@@ -283,7 +283,7 @@ class ExpandPlan:
         x0, y = embeddings.data_ptr(), projected.data_ptr()
         for k, w in enumerate(projections):
             self.project(x0, w.data_ptr(), y + 4 * k * hidden, workspace.data_ptr(), stream)
-        _magnitude_match(self.epilogue, stream, self.streams, tokens, hidden, x0, y, out.data_ptr(), floor)
+        _run_expand_epilogue(self.epilogue, stream, self.streams, tokens, hidden, x0, y, out.data_ptr(), floor)
         _GEMM_SCRATCH.give_back(workspace, key)
 
 
@@ -307,7 +307,7 @@ class ExpandBackwardPlan:
             self.to_weights = _cublas.Gemm(rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
                                            y_transposed=False, ldx=wide, out_dtype=torch.bfloat16, batch=streams - 1,
                                            x_batch_stride=hidden, d_batch_stride=hidden * hidden)
-        self.match = _magnitude_match_launch(streams, True, hidden, device)
+        self.match = _magnitude_match_backward_launch(streams, True, hidden, device)
         self.workspace_offset = _aligned(2 * tokens * wide)
         self.scratch_bytes = self.workspace_offset + max(self.to_base.workspace_bytes, self.to_weights.workspace_bytes)
         self.streams, self.tokens, self.hidden, self.wide = streams, tokens, hidden, wide
@@ -349,7 +349,7 @@ class CollapseBackwardPlan:
             self.to_weights = _cublas.Gemm(rows=hidden, cols=hidden, inner=tokens, x_transposed=True,
                                            y_transposed=False, out_dtype=torch.bfloat16, batch=streams - 1,
                                            x_batch_stride=plane, y_batch_stride=plane, d_batch_stride=hidden * hidden)
-        self.match = _magnitude_match_launch(streams, False, hidden, device)
+        self.match = _magnitude_match_backward_launch(streams, False, hidden, device)
         # scratch: y [N-1, M, H] fp32, then gp [N-1, M, H] bf16, then the GEMMs' workspace
         self.gp_offset = _aligned(4 * (streams - 1) * plane)
         self.workspace_offset = self.gp_offset + _aligned(2 * (streams - 1) * plane)
@@ -467,8 +467,8 @@ def expand_epilogue(device: int, streams: int, tokens: int, hidden: int, x0: int
     """The expansion's magnitude match alone, on addresses: out[0] = x0 and out[k] = projected[:, k-1]
     scaled to x0's root mean square (x0 bf16 [M, H], projected fp32 [M, N-1, H], out bf16 [N, M, H])."""
     with _device.on(device):
-        _magnitude_match(_row_launch("expand_forward", 1, (streams,), device, _row_threads(hidden)), _stream(device),
-                         streams, tokens, hidden, x0, projected, out, floor)
+        launch = _row_launch("expand_forward", 1, (streams,), device, _row_threads(hidden))
+        _run_expand_epilogue(launch, _stream(device), streams, tokens, hidden, x0, projected, out, floor)
 
 
 def magnitude_match_backward(device: int, streams: int, tokens: int, hidden: int, grad: int, grad_stream_stride: int,
@@ -482,7 +482,7 @@ def magnitude_match_backward(device: int, streams: int, tokens: int, hidden: int
     `version`: of KERNELS["magnitude_match_backward"] (None: the default); every version gives the
     same bits."""
     with _device.on(device):
-        _magnitude_match_launch(streams, base_grad_fp32, hidden, device, version)(
+        _magnitude_match_backward_launch(streams, base_grad_fp32, hidden, device, version)(
             _stream(device), tokens, grad, base, projected, grad_projected, grad_base, grad_stream_stride, grad_scale,
             proj_strides[0], proj_strides[1], hidden, floor)
 
