@@ -44,6 +44,9 @@ def _model(seed, streams=4, active=0, clip=120.0, layers=2):
             layer.altup.prediction_coefs.weight.normal_(0.0, 0.5)
             layer.altup.correction_coefs.weight.normal_(0.0, 0.5)
             layer.altup.correct_output_scale.normal_(1.0, 0.2)
+            # One coefficient of each matrix past the clip of 0.3 and one inside it, whatever the draw.
+            for coefs in (layer.altup.prediction_coefs.weight, layer.altup.correction_coefs.weight):
+                coefs[0, 0], coefs[-1, -1] = 0.9, 0.1
     return model
 
 
