@@ -166,44 +166,39 @@ ROW_THREADS_MAX = 384
 _ROWS = {"ROW_THREADS_MAX": ROW_THREADS_MAX}
 
 
-# The versions of the predict and correct backward are template arguments after <N, active index,
-# whether grad_active is given>:
-# where the weight-gradient sums live in shared memory (kernels/altup_rows.cuh) and, for the
-# predict backward, where a token's rows live (kernels/altup_predict_v1.cu). Version v is entry
-# v - 1, oldest first.
-PREDICT_BACKWARD_VERSIONS = (("RowMajorSums", "GradRowsReloaded"), ("SliceMajorSums", "GradRowsReloaded"),
-                             ("SliceMajorSums", "PackedRows"))
-CORRECT_BACKWARD_VERSIONS = (("RowMajorSums",), ("SliceMajorSums",))
-
-
 def _per_active(kernel: str, *fixed: str) -> tuple[str, ...]:
     return tuple(f"{kernel}<{', '.join((str(n), str(a), *fixed))}>" for n in SUPPORTED_STREAMS for a in range(n))
 
 
-def _versioned(kernel: str, versions: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
-    """<N, active index, kActive (grad_active given), the version's fixed arguments...>."""
-    return tuple(name for fixed in versions for given in ("false", "true")
-                 for name in _per_active(kernel, given, *fixed))
+def _routed_backward(step: str, version: int) -> KernelSource:
+    """Version `version` of the predict or correct backward, kernels/altup_<step>_v<version>.cu:
+    <N, active index, whether grad_active is given>."""
+    kernel = f"altup_{step}_v{version}"
+    return KernelSource(f"{kernel}.cu", tuple(name for given in ("false", "true") for name in _per_active(kernel, given)),
+                        min_arch=80, defines=_ROWS)
 
 
-ALTUP_PREDICT_V1 = KernelSource(
-    "altup_predict_v1.cu",
-    _per_active("altup_predict_forward_v1") + _versioned("altup_predict_backward", PREDICT_BACKWARD_VERSIONS),
-    min_arch=80, defines=_ROWS)
-ALTUP_CORRECT_V1 = KernelSource(
-    "altup_correct_v1.cu",
-    _per_active("altup_correct_forward_v1") + _versioned("altup_correct_backward", CORRECT_BACKWARD_VERSIONS),
-    min_arch=80, defines=_ROWS)
-ALTUP_MAGNITUDE_MATCH_V1 = KernelSource(
-    "altup_magnitude_match_v1.cu",
-    tuple(f"altup_expand_forward_v1<{n}>" for n in SUPPORTED_STREAMS)
-    + tuple(f"altup_magnitude_match_backward_v1<{n}, {t}>" for n in SUPPORTED_STREAMS
-            for t in ("float", "unsigned short")),
-    min_arch=80, defines=_ROWS)
-ALTUP_MAGNITUDE_MATCH_BACKWARD_V2 = KernelSource(
-    "altup_magnitude_match_backward_v2.cu",
-    tuple(f"altup_magnitude_match_backward_v2<{n}, {t}>" for n in SUPPORTED_STREAMS for t in ("float", "unsigned short")),
-    min_arch=80, defines=_ROWS)
+def _magnitude_match_backward(version: int) -> KernelSource:
+    """Version `version` of the magnitude match's backward: <N, the base row gradient's type>."""
+    kernel = f"altup_magnitude_match_backward_v{version}"
+    return KernelSource(f"{kernel}.cu", tuple(f"{kernel}<{n}, {t}>" for n in SUPPORTED_STREAMS
+                                              for t in ("float", "unsigned short")), min_arch=80, defines=_ROWS)
+
+
+ALTUP_PREDICT_FORWARD_V1 = KernelSource("altup_predict_forward_v1.cu", _per_active("altup_predict_forward_v1"),
+                                        min_arch=80, defines=_ROWS)
+ALTUP_PREDICT_BACKWARD_V1 = _routed_backward("predict_backward", 1)
+ALTUP_PREDICT_BACKWARD_V2 = _routed_backward("predict_backward", 2)
+ALTUP_PREDICT_BACKWARD_V3 = _routed_backward("predict_backward", 3)
+ALTUP_CORRECT_FORWARD_V1 = KernelSource("altup_correct_forward_v1.cu", _per_active("altup_correct_forward_v1"),
+                                        min_arch=80, defines=_ROWS)
+ALTUP_CORRECT_BACKWARD_V1 = _routed_backward("correct_backward", 1)
+ALTUP_CORRECT_BACKWARD_V2 = _routed_backward("correct_backward", 2)
+ALTUP_EXPAND_FORWARD_V1 = KernelSource("altup_expand_forward_v1.cu",
+                                       tuple(f"altup_expand_forward_v1<{n}>" for n in SUPPORTED_STREAMS),
+                                       min_arch=80, defines=_ROWS)
+ALTUP_MAGNITUDE_MATCH_BACKWARD_V1 = _magnitude_match_backward(1)
+ALTUP_MAGNITUDE_MATCH_BACKWARD_V2 = _magnitude_match_backward(2)
 ALTUP_ROUTER_GRADS_V1 = KernelSource(
     "altup_router_grads_v1.cu", tuple(f"altup_router_grads_v1<{n}>" for n in SUPPORTED_STREAMS), min_arch=80)
 
@@ -216,9 +211,15 @@ ALL_SOURCES = (
     PREDICT_CORRECT_BACKWARD_V2,
     PREDICT_CORRECT_BACKWARD_V3,
     PREDICT_CORRECT_BACKWARD_V4,
-    ALTUP_PREDICT_V1,
-    ALTUP_CORRECT_V1,
-    ALTUP_MAGNITUDE_MATCH_V1,
+    ALTUP_PREDICT_FORWARD_V1,
+    ALTUP_PREDICT_BACKWARD_V1,
+    ALTUP_PREDICT_BACKWARD_V2,
+    ALTUP_PREDICT_BACKWARD_V3,
+    ALTUP_CORRECT_FORWARD_V1,
+    ALTUP_CORRECT_BACKWARD_V1,
+    ALTUP_CORRECT_BACKWARD_V2,
+    ALTUP_EXPAND_FORWARD_V1,
+    ALTUP_MAGNITUDE_MATCH_BACKWARD_V1,
     ALTUP_MAGNITUDE_MATCH_BACKWARD_V2,
     ALTUP_ROUTER_GRADS_V1,
 )

@@ -16,7 +16,7 @@ them in a fixed order and finishes them in bf16: every result is bitwise determi
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -74,52 +74,62 @@ _FORWARD_TAIL = ("i64", "i32", "f32", "f32")  # tokens, hidden, eps, router scal
 _BACKWARD_TAIL = ("i64", "i64", "i32", "f32", "f32")  # partial stride, tokens, hidden, eps, router scale
 
 
+def _row_major_sums(streams: int, hidden: int) -> int:
+    """Bytes of a routed backward's weight-gradient sums laid out row-major: N * H floats."""
+    return 4 * streams * hidden
+
+
+def _slice_major_sums(streams: int, hidden: int) -> int:
+    """Bytes of the sums laid out slice-major: 8 N planes of ROW_THREADS_MAX floats (kernels/altup_rows.cuh)."""
+    return 4 * streams * 8 * _sources.ROW_THREADS_MAX
+
+
 class RowKernel(NamedTuple):
-    """One version of one step's kernel: its source, its template, its argument types and the
-    template arguments after the call's own (fixed per version). A new version of a step is a new
-    entry at the end of the step's tuple in `KERNELS`: a new `.cu` and its `KernelSource` in
-    `_sources`, or a new fixed template argument of an existing kernel."""
+    """One version of one step's kernel: its source (kernels/<template>.cu, the version's own
+    file), its template and its argument types; a routed backward's also the dynamic shared memory
+    of its weight-gradient sums, (N, H) -> bytes. A new version of a step is a new entry at the end
+    of the step's tuple in `KERNELS`, with its `.cu` and its `KernelSource` in `_sources`."""
     source: KernelSource
     template: str
     arg_types: tuple[str, ...]
-    fixed: tuple[str, ...] = ()
+    weight_sums_bytes: Callable[[int, int], int] | None = None
 
     def instance(self, params: tuple) -> str:
-        """The name expression of the instantiation <params..., fixed...> (as `_sources` lists it)."""
-        return f"{self.template}<{', '.join((*map(str, params), *self.fixed))}>"
+        """The name expression of the instantiation <params...> (as `_sources` lists it)."""
+        return f"{self.template}<{', '.join(map(str, params))}>"
 
 
-def _routed_backward_versions(source: KernelSource, template: str, arg_types: tuple[str, ...],
-                              versions: tuple[tuple[str, ...], ...]):
-    """The predict or correct backward's versions: one per tuple of fixed template arguments (`_sources`)."""
-    return tuple(RowKernel(source, template, arg_types, fixed) for fixed in versions)
+def _versions(sources: Sequence[KernelSource], arg_types: tuple[str, ...],
+              weight_sums_bytes: Sequence[Callable[[int, int], int] | None] | None = None) -> tuple[RowKernel, ...]:
+    """One entry per source, version v the v-th: each source's kernel is named after its file."""
+    sums = weight_sums_bytes or (None,) * len(sources)
+    return tuple(RowKernel(source, source.filename.removesuffix(".cu"), arg_types, s) for source, s in zip(sources, sums))
 
 
-# Each step's versions, oldest first; the last is the one the operators use (`DEFAULT`), except
-# where `_routed_default` picks an older predict or correct backward for the GPU at hand.
+# Each step's versions, oldest first, with what each changed (the header of its .cu says more); the
+# last is the one the operators use (`DEFAULT`), except where `_routed_default` picks an older
+# predict or correct backward for the GPU at hand.
 KERNELS = {
     # <N, active index>
-    "predict_forward": (RowKernel(_sources.ALTUP_PREDICT_V1, "altup_predict_forward_v1", _PTR * 6 + _FORWARD_TAIL),),
-    # <N, active index, grad_active given, weight-sum layout, row storage>: v1 row-major sums (8-way bank conflicts),
-    # v2 slice-major, v3 slice-major with the token's rows packed in registers (g read once)
-    "predict_backward": _routed_backward_versions(_sources.ALTUP_PREDICT_V1, "altup_predict_backward",
-                                                  _PTR * 8 + _BACKWARD_TAIL, _sources.PREDICT_BACKWARD_VERSIONS),
-    "correct_forward": (RowKernel(_sources.ALTUP_CORRECT_V1, "altup_correct_forward_v1", _PTR * 7 + _FORWARD_TAIL),),
-    # <N, active index, grad_active given, weight-sum layout>: v1 row-major, v2 slice-major
-    "correct_backward": _routed_backward_versions(_sources.ALTUP_CORRECT_V1, "altup_correct_backward",
-                                                  _PTR * 10 + _BACKWARD_TAIL, _sources.CORRECT_BACKWARD_VERSIONS),
+    "predict_forward": _versions((_sources.ALTUP_PREDICT_FORWARD_V1,), _PTR * 6 + _FORWARD_TAIL),
+    # <N, active index, grad_active given>: v1 row-major weight sums (8-way bank conflicts), v2
+    # slice-major, v3 slice-major with the token's rows packed in registers (g read once)
+    "predict_backward": _versions((_sources.ALTUP_PREDICT_BACKWARD_V1, _sources.ALTUP_PREDICT_BACKWARD_V2,
+                                   _sources.ALTUP_PREDICT_BACKWARD_V3), _PTR * 8 + _BACKWARD_TAIL,
+                                  (_row_major_sums, _slice_major_sums, _slice_major_sums)),
+    "correct_forward": _versions((_sources.ALTUP_CORRECT_FORWARD_V1,), _PTR * 7 + _FORWARD_TAIL),
+    # <N, active index, grad_active given>: v1 row-major weight sums, v2 slice-major
+    "correct_backward": _versions((_sources.ALTUP_CORRECT_BACKWARD_V1, _sources.ALTUP_CORRECT_BACKWARD_V2),
+                                  _PTR * 10 + _BACKWARD_TAIL, (_row_major_sums, _slice_major_sums)),
     # <N>
-    "router_grads": (RowKernel(_sources.ALTUP_ROUTER_GRADS_V1, "altup_router_grads_v1",
-                               ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),),
-    "expand_forward": (RowKernel(_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_expand_forward_v1",
-                                 _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")),),
+    "router_grads": _versions((_sources.ALTUP_ROUTER_GRADS_V1,),
+                              ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),
+    "expand_forward": _versions((_sources.ALTUP_EXPAND_FORWARD_V1,), _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")),
     # <N, the base row's type>: v1 every row unpacked in registers (2 blocks an SM at H = 2048), v2
     # the bf16 rows packed (3 blocks)
-    "magnitude_match_backward": tuple(RowKernel(source, template, _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32"))
-                                      for source, template in (
-                                          (_sources.ALTUP_MAGNITUDE_MATCH_V1, "altup_magnitude_match_backward_v1"),
-                                          (_sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V2,
-                                           "altup_magnitude_match_backward_v2"))),
+    "magnitude_match_backward": _versions((_sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V1,
+                                           _sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V2),
+                                          _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")),
 }
 DEFAULT = {step: len(versions) for step, versions in KERNELS.items()}  # version numbers count from 1
 
@@ -182,15 +192,8 @@ def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
     so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
     available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
     fitting = [v for v, entry in enumerate(KERNELS[step], 1)
-               if _dynamic_shared_bytes(entry, streams, hidden) <= available]
+               if entry.weight_sums_bytes(streams, hidden) <= available]
     return max(fitting, default=1)
-
-
-def _dynamic_shared_bytes(entry: RowKernel, streams: int, hidden: int) -> int:
-    """The dynamic shared memory of a predict or correct backward version: its weight-gradient
-    sums (its first fixed template argument), N * H floats row-major or 8 N planes of
-    ROW_THREADS_MAX floats slice-major (kernels/altup_rows.cuh)."""
-    return 4 * streams * (hidden if entry.fixed[0] == "RowMajorSums" else 8 * _sources.ROW_THREADS_MAX)
 
 
 # The per-block weight-gradient partials of the predict and correct backward.
@@ -213,7 +216,7 @@ class RoutedBackwardPlan:
         self.blocks = _backward_blocks(device, tokens)
         self.stride = round_up(streams * hidden + coef_columns, 4)  # 16-byte aligned partial rows
         self.main = _row_launch(step, version, (streams, active, _CPP_BOOL[grad_active]), device, _row_threads(hidden),
-                                _dynamic_shared_bytes(KERNELS[step][version - 1], streams, hidden))
+                                KERNELS[step][version - 1].weight_sums_bytes(streams, hidden))
         # 32 columns a block, 32 chains of partial rows each: the hidden columns, then the coefficients
         self.sum = _row_launch("router_grads", 1, (streams,), device, 1024)
         self.sum_grid = ceil_div(hidden, 32) + ceil_div(coef_columns, 32)

@@ -153,6 +153,22 @@ def test_every_gemma3n_kernel_instance_is_compiled():
             assert not missing, f"{step} v{version}: {entry.source.filename} does not compile {missing}"
 
 
+def test_every_gemma3n_kernel_version_is_its_own_file():
+    """A version of a Gemma 3n step is one .cu, named altup_<step>_v<n>.cu, whose kernel carries
+    that name and whose header says what the version is or changed (where a step has several)."""
+    from altup_cupy import gemma3n_kernels
+
+    seen = set()
+    for step, versions in gemma3n_kernels.KERNELS.items():
+        for version, entry in enumerate(versions, 1):
+            name = f"altup_{step}_v{version}"
+            assert entry.source.filename == f"{name}.cu" and entry.template == name, (step, version)
+            assert entry.source.filename not in seen, entry.source.filename
+            seen.add(entry.source.filename)
+            header = (KERNELS_DIR / entry.source.filename).read_text().split("#include")[0]
+            assert "What this version" in header or len(versions) == 1, f"{entry.source.filename}: no note"
+
+
 def test_a_gemma3n_kernel_version_outside_the_registry_is_refused():
     from altup_cupy import gemma3n_kernels
 

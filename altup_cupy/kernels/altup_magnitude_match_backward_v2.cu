@@ -1,6 +1,6 @@
 // altup_magnitude_match_backward_v2.cu: the magnitude match's backward (the expansion's and the
-// collapse's; altup_magnitude_match_v1.cu has the math and the arguments), with more tokens in
-// flight per SM.
+// collapse's; magnitude_match_grads.cuh has the math, altup_magnitude_match_backward_v1.cu the
+// arguments), with more tokens in flight per SM.
 //
 // What this version changed: v1 holds every row of its token unpacked in fp32 registers across
 // the block reduction (the base row, N upstream gradients and N-1 projections: 8 N + 8 (N-1)

@@ -242,8 +242,8 @@ def collapse_backward(grad_output, streams, projections, floor: float = MAGNITUD
 
 # ---- the backwards as the kernels compute them ------------------------------------------------------
 # One block reduction per token gives every dot product a step needs; the rest is per-token
-# scalars and fixed linear maps of the rows (kernels/altup_predict_v1.cu, altup_correct_v1.cu and
-# altup_rows.cuh follow these lines). Tested equal to the step-by-step backwards above.
+# scalars and fixed linear maps of the rows (kernels/altup_predict_backward.cuh,
+# altup_correct_backward.cuh and altup_rows.cuh follow these lines). Tested equal to the step-by-step backwards above.
 
 def _router_scalars(ss, A, hidden, eps, scale):
     """r [.., 1] and m = tanh(r A s) [.., N] from ss = <x, x> and A_n = sum_d R_nd w_d x_d."""

@@ -1,52 +1,12 @@
-// altup_magnitude_match_v1.cu: the row epilogues around the projection GEMMs of Gemma 3n's stream
-// expansion (model input) and collapse (model output); the GEMMs themselves run in cuBLAS.
+// altup_magnitude_match_backward_v1.cu: the magnitude match's backward (magnitude_match_grads.cuh
+// has the math), the row part of the backward of Gemma 3n's expansion and collapse; the GEMMs
+// around it run in cuBLAS.
 //
-// For a base row b and projections p_k (k = 1 .. N-1, fp32 GEMM outputs, never rounded):
-//   t = sqrt(mean(b^2)),  n_k = sqrt(max(mean(p_k^2), floor)),  q_k = p_k t / n_k
-// Expansion forward: streams = (b, q_1 .. q_{N-1}) with b = the embeddings.
-// Backward (expansion and collapse), upstream g_k of q_k (scaled by `grad_scale`):
-//   gp_k   = (t / n_k) g_k - [mean(p_k^2) >= floor] t <g_k, p_k> p_k / (H n_k^3)
-//   grad_b = g_0 + (sum_k <g_k, p_k> / n_k) b / (H t)
-// Expansion: g_k = grad_streams[k], scale 1; its grad_b still needs + sum_k gp_k W_k (a GEMM), so
-// it is written in fp32. Collapse (out = (s_0 + sum_k q_k) / N): every g_k is grad_out (stream
-// stride 0), scale 1 / N, and grad_b is the final bf16 gradient of stream 0.
-// One block per token; every row read once, every output row written once. The projections and
-// their gradients share one layout: element (k, t, d) at k * proj_stride_k + t * proj_stride_t + d.
+// What this version is: one block per token, every row of the token unpacked in fp32 registers
+// across the block reduction; every row read once, every output row written once.
 #include "common.cuh"
 #include "altup_rows.cuh"
 #include "magnitude_match_grads.cuh"
-
-template <int N>
-__global__ void __launch_bounds__(kRowThreadsMax) altup_expand_forward_v1(
-    const unsigned short* __restrict__ embeddings,  // [M, H] bf16
-    const float* __restrict__ projected,            // p_k, fp32, layout above
-    unsigned short* __restrict__ streams,           // [N, M, H] bf16
-    const long long proj_stride_k, const long long proj_stride_t, const long long tokens,
-    const int hidden, const float floor) {
-    __shared__ float scratch[32 * N];
-    const RowSlice slice(hidden);
-    const long long t = blockIdx.x, plane = tokens * hidden;
-    const float inv_h = 1.0f / static_cast<float>(hidden);
-
-    float b[kVec], p[N - 1][kVec], sums[N];
-    slice.load(embeddings + t * hidden, b);
-    sums[0] = dot8(b, b);
-#pragma unroll
-    for (int k = 0; k < N - 1; ++k) {
-        slice.load(projected + k * proj_stride_k + t * proj_stride_t, p[k]);
-        sums[1 + k] = dot8(p[k], p[k]);
-    }
-    block_sum(sums, scratch);
-    const float target = sqrtf(sums[0] * inv_h);
-    slice.store(streams + t * hidden, b);
-#pragma unroll
-    for (int k = 0; k < N - 1; ++k) {
-        const float scale = target / sqrtf(fmaxf(sums[1 + k] * inv_h, floor));
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) p[k][e] *= scale;
-        slice.store(streams + (k + 1) * plane + t * hidden, p[k]);
-    }
-}
 
 template <int N, typename BaseGrad>
 __global__ void __launch_bounds__(kRowThreadsMax) altup_magnitude_match_backward_v1(

@@ -1,74 +1,31 @@
-// altup_predict_v1.cu: Gemma 3n's AltUp predict step, forward and backward (one autograd node).
+// altup_predict_backward.cuh: the backward of Gemma 3n's AltUp predict step (the forward and
+// its math: altup_predict_forward_v1.cu), the body its versions share. A version is one
+// altup_predict_backward_v<n>.cu: it says what it changed and defines its kernel
+// altup_predict_backward_v<n><N, A, kActive> by naming two policies, where the router's
+// weight-gradient sums live in shared memory (Sums, altup_rows.cuh) and where a token's rows live
+// between their loads and their uses (Rows, below or in the version's file). Every version gives
+// the same bits.
 //
-//   m_p = route(h_a);  C[i][j] = (P m_p)[N*i + j];  pred_i = h_i + sum_j C[i][j] h_j
-//
-// Forward: one block per token; reads the N rows once, writes the N predictions once.
-// Backward: a fixed grid of blocks walks the tokens (block b: tokens b, b + grid, ...), so every
-// block's weight-gradient partial sums its tokens in a fixed order; altup_router_grads_v1 then sums
-// the partials in block order: bitwise deterministic. Per token, ONE block reduction gives every
-// dot product the step needs (<h_a, h_a>, A_n = sum_d R_nd w_d h_a,d, G_ij = <g_i, h_j>):
+// A fixed grid of blocks walks the tokens (block b: tokens b, b + grid, ...), so every block's
+// weight-gradient partial sums its tokens in a fixed order; altup_router_grads_v1 then sums the
+// partials in block order: bitwise deterministic. Per token, ONE block reduction gives every dot
+// product the step needs (<h_a, h_a>, A_n = sum_d R_nd w_d h_a,d, G_ij = <g_i, h_j>):
 //   dC = G;  gm_p = P^T dC;  grad_h_j = g_j + sum_i C_ij g_i + [j == a] route_backward(h_a, gm_p)
 //   partial layout per block: S [N, H] (S_nd = sum_t r gz_n h_a,d) | dP [N*N*N] (sum_t G_ij m_l)
-//   (S accumulates in dynamic shared memory, laid out by the template argument Sums,
-//   altup_rows.cuh; the token's rows are kept as the template argument Rows says, below). The
-//   backward's versions: v1 <RowMajorSums, GradRowsReloaded>, v2 <SliceMajorSums,
-//   GradRowsReloaded>, v3 <SliceMajorSums, PackedRows>; all give the same bits. (A v4 that copied
-//   the block's next token into shared memory by cp.async while this one was worked on measured
-//   slower than v3 at every M once v3 no longer paid for a runtime grad_active test: removed.)
+// and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input
+// scale). (A version that copied the block's next token into shared memory by cp.async while this
+// one was worked on measured slower than v3 at every M once v3 no longer paid for a runtime
+// grad_active test: removed.)
 // Where the model reads the active prediction through a tensor of its own (`active_prediction`,
 // the forward's optional second output), its gradient arrives apart from g's (`grad_active`) and
 // is added to g_a as the rows are loaded, with the rounding of the bf16 addition autograd would
 // otherwise make in a pass of its own over all N rows. Whether it is given is a template argument
 // (kActive): without it the kernel issues no extra load and tests no pointer (a runtime test and a
-// dummy load in every version cost 20-35% at M = 8192 on an H100).
-// and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input scale). The
-// active index A is a template argument so that every row array is indexed by constants
-// (registers, no local memory).
+// dummy load in every version cost 20-35% at M = 8192 on an H100). The active index A is a
+// template argument so that every row array is indexed by constants (registers, no local memory).
+#pragma once
 #include "common.cuh"
 #include "altup_rows.cuh"
-
-template <int N, int A>
-__global__ void __launch_bounds__(kRowThreadsMax) altup_predict_forward_v1(
-    const unsigned short* __restrict__ hidden_states,   // [N, M, H] bf16
-    const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
-    const unsigned short* __restrict__ router_weight,   // [N, H] bf16
-    const unsigned short* __restrict__ norm_weight,     // [H] bf16
-    unsigned short* __restrict__ predictions,           // [N, M, H] bf16
-    unsigned short* __restrict__ active_prediction,     // [M, H] bf16, a copy of row A; nullptr: none
-    const long long tokens, const int hidden, const float eps, const float router_scale) {
-    __shared__ float scratch[32 * (1 + N)];
-    __shared__ float P[N * N * N];
-    load_small_matrix(prediction_coefs, P, N * N * N);
-    const RowSlice slice(hidden);
-    const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
-    const long long t = blockIdx.x, plane = tokens * hidden;
-
-    float h[N][kVec];
-#pragma unroll
-    for (int j = 0; j < N; ++j) slice.load(hidden_states + j * plane + t * hidden, h[j]);
-    float sums[1 + N];
-    sums[0] = dot8(h[A], h[A]);
-    router.project(h[A], sums + 1);
-    block_sum(sums, scratch);
-    const RouterScalars<N> route(sums[0], sums + 1, hidden, eps, router_scale);
-
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        float pred[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) pred[e] = h[i][e];
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-            float c = 0.0f;
-#pragma unroll
-            for (int l = 0; l < N; ++l) c = fmaf(P[(N * i + j) * N + l], route.m[l], c);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) pred[e] = fmaf(c, h[j][e], pred[e]);
-        }
-        slice.store(predictions + i * plane + t * hidden, pred);
-        if (i == A && active_prediction != nullptr) slice.store(active_prediction + t * hidden, pred);
-    }
-}
 
 // Where a token's rows are in memory: row j of h and of g, and its row of grad_active (read only
 // where kActive).
@@ -89,11 +46,11 @@ struct TokenRows {
     }
 };
 
-// Where the backward keeps a token's rows, one policy per kernel version (the template argument
-// Rows); `h(j, out)` and `g(i, out)` give row j of h and row i of g unpacked to fp32, g_A with
-// this token's row of grad_active added. Each is built for token t by Rows(slice, rows, t).
+// Where the backward keeps a token's rows (the policy Rows): `h(j, out)` and `g(i, out)` give row
+// j of h and row i of g unpacked to fp32, g_A with this token's row of grad_active added. Each is
+// built for token t by Rows(slice, rows, t).
 //
-// v1, v2: registers bound the blocks per SM, so a thread holds the N rows of h unpacked and lets
+// GradRowsReloaded (v1, v2): registers bound the blocks per SM, so a thread holds the N rows of h unpacked and lets
 // the rows of g pass through one at a time: once for the dot products, then once per output row
 // after the block reduction (N + N^2 loads a token). The first pass reads g through L1
 // (`load_reused`), so the later ones hit there instead of going back to memory.
@@ -126,36 +83,26 @@ struct GradRowsReloaded {
     }
 };
 
-// v3: both sets of rows stay packed as loaded, 4 registers a row: 8 N registers hold all 2N rows
-// (v1 and v2 spend 8 N on h alone), so g is read once, straight from memory, and unpacked (exactly)
-// where it is used.
-template <int N, int A, bool kActive>
-struct PackedRows {
-    uint4 rows_h[N], rows_g[N];
-    __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t) {
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-            rows_h[j] = slice.load_packed(rows.h(t, j));
-            rows_g[j] = slice.load_packed(rows.g(t, j));
-        }
-        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], slice.load_packed(rows.active_g(t)));
-    }
-    __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
-    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { unpack_bf16x8(rows_g[i], out); }
-};
+// The kernel's arguments, which every version takes in this order (the host's argument list,
+// gemma3n_kernels.KERNELS), and their names as the body receives them.
+#define PREDICT_BACKWARD_PARAMS                                                                         \
+    const unsigned short* __restrict__ grad_predictions,  /* [N, M, H] bf16 */                          \
+    const unsigned short* __restrict__ grad_active,       /* [M, H] bf16, added to row A where kActive */ \
+    const unsigned short* __restrict__ hidden_states,     /* [N, M, H] bf16 */                          \
+    const unsigned short* __restrict__ prediction_coefs,  /* [N*N, N] bf16 */                           \
+    const unsigned short* __restrict__ router_weight,     /* [N, H] bf16 */                             \
+    const unsigned short* __restrict__ norm_weight,       /* [H] bf16 */                                \
+    unsigned short* __restrict__ grad_hidden_states,      /* [N, M, H] bf16 */                          \
+    float* __restrict__ partials,                         /* [gridDim.x, partial_stride] fp32 */        \
+    const long long partial_stride, const long long tokens, const int hidden, const float eps,          \
+    const float router_scale
+#define PREDICT_BACKWARD_ARGS                                                                           \
+    grad_predictions, grad_active, hidden_states, prediction_coefs, router_weight, norm_weight,         \
+    grad_hidden_states, partials, partial_stride, tokens, hidden, eps, router_scale
 
+// The body of every version: Sums and Rows are the version's policies.
 template <int N, int A, bool kActive, typename Sums, template <int, int, bool> class Rows>
-__global__ void ROUTED_BACKWARD_BOUNDS altup_predict_backward(
-    const unsigned short* __restrict__ grad_predictions,  // [N, M, H] bf16
-    const unsigned short* __restrict__ grad_active,       // [M, H] bf16, added to row A; read where kActive
-    const unsigned short* __restrict__ hidden_states,     // [N, M, H] bf16
-    const unsigned short* __restrict__ prediction_coefs,  // [N*N, N] bf16
-    const unsigned short* __restrict__ router_weight,     // [N, H] bf16
-    const unsigned short* __restrict__ norm_weight,       // [H] bf16
-    unsigned short* __restrict__ grad_hidden_states,      // [N, M, H] bf16
-    float* __restrict__ partials,                         // [gridDim.x, partial_stride] fp32
-    const long long partial_stride, const long long tokens, const int hidden, const float eps,
-    const float router_scale) {
+__device__ __forceinline__ void predict_backward(PREDICT_BACKWARD_PARAMS) {
     constexpr int kSums = 1 + N + N * N;
     __shared__ float scratch[32 * kSums];
     __shared__ float P[N * N * N];

@@ -1,0 +1,117 @@
+// altup_correct_backward.cuh: the backward of Gemma 3n's AltUp correct step (the forward and its
+// math: altup_correct_forward_v1.cu), the body its versions share. A version is one
+// altup_correct_backward_v<n>.cu: it says what it changed and defines its kernel
+// altup_correct_backward_v<n><N, A, kActive> by naming where the router's weight-gradient sums
+// live in shared memory (Sums, altup_rows.cuh). Every version gives the same bits.
+//
+// A fixed grid of blocks walks the tokens (altup_predict_backward.cuh says why). Per token, ONE
+// block reduction gives <x, x>, A_n = sum_d R_nd w_d x_d, <g_i, x> and <g_i, pred_a>:
+//   gk_i = <g_i, x> - <g_i, pred_a>;  gd = sum_i k_i g_i;  grad_pred_i = g_i - [i == a] gd
+//   grad_x = gd + route_backward(x, Q^T gk)
+//   partial layout per block: S [N, H] (S_nd = sum_t r gz_n x_d) | dQ [N*N] (sum_t gk_i m_l);
+//   altup_router_grads_v1 sums the partials in block order and finishes dR = s w S,
+//   dw = s sum_n R_n S_n (s: the router's input scale)
+// Only the active prediction row is read: the other rows do not reach a gradient. Where the model
+// reads the corrected active row through a tensor of its own (`active_corrected`, the forward's
+// optional second output), its gradient arrives apart (`grad_active`) and is added to g_a as it
+// is loaded, rounded as autograd's bf16 addition would round it; whether it is given is a template
+// argument (kActive), so the kernel without it loads and tests nothing more.
+#pragma once
+#include "common.cuh"
+#include "altup_rows.cuh"
+
+// The kernel's arguments, which every version takes in this order (the host's argument list,
+// gemma3n_kernels.KERNELS), and their names as the body receives them.
+#define CORRECT_BACKWARD_PARAMS                                                                         \
+    const unsigned short* __restrict__ grad_corrected,    /* [N, M, H] bf16 */                          \
+    const unsigned short* __restrict__ grad_active,       /* [M, H] bf16, added to row A where kActive */ \
+    const unsigned short* __restrict__ predictions,       /* [N, M, H] bf16 (row A read) */             \
+    const unsigned short* __restrict__ activated,         /* [M, H] bf16 */                             \
+    const unsigned short* __restrict__ correction_coefs,  /* [N, N] bf16 */                             \
+    const unsigned short* __restrict__ router_weight,     /* [N, H] bf16 */                             \
+    const unsigned short* __restrict__ norm_weight,       /* [H] bf16 */                                \
+    unsigned short* __restrict__ grad_predictions,        /* [N, M, H] bf16 */                          \
+    unsigned short* __restrict__ grad_activated,          /* [M, H] bf16 */                             \
+    float* __restrict__ partials,                         /* [gridDim.x, partial_stride] fp32 */        \
+    const long long partial_stride, const long long tokens, const int hidden, const float eps,          \
+    const float router_scale
+#define CORRECT_BACKWARD_ARGS                                                                           \
+    grad_corrected, grad_active, predictions, activated, correction_coefs, router_weight, norm_weight,  \
+    grad_predictions, grad_activated, partials, partial_stride, tokens, hidden, eps, router_scale
+
+// The body of every version: Sums is the version's policy.
+template <int N, int A, bool kActive, typename Sums>
+__device__ __forceinline__ void correct_backward(CORRECT_BACKWARD_PARAMS) {
+    constexpr int kSums = 1 + 3 * N;
+    __shared__ float scratch[32 * kSums];
+    __shared__ float Q[N * N];
+    load_small_matrix(correction_coefs, Q, N * N);
+    const RowSlice slice(hidden);
+    const RouterSlice<N> router{slice, router_weight, norm_weight, hidden};
+    const long long plane = tokens * hidden;
+
+    extern __shared__ float S[];  // in the layout Sums (altup_rows.cuh)
+    clear_weight_sums<N, Sums>(S, slice, hidden);
+    float dQ = 0.0f;  // thread e < N^2 owns dQ entry e = N*i + l
+    for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
+        float g[N][kVec], x[kVec], pred_a[kVec];
+#pragma unroll
+        for (int i = 0; i < N; ++i) slice.load(grad_corrected + i * plane + t * hidden, g[i]);
+        float extra[kVec];
+        if (kActive) slice.load(grad_active + t * hidden, extra);
+        slice.load(activated + t * hidden, x);
+        slice.load(predictions + A * plane + t * hidden, pred_a);
+        if (kActive) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) g[A][e] += extra[e];
+            round_bf16x8(g[A]);
+        }
+        float sums[kSums];
+        sums[0] = dot8(x, x);
+        router.project(x, sums + 1);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            sums[1 + N + i] = dot8(g[i], x);
+            sums[1 + 2 * N + i] = dot8(g[i], pred_a);
+        }
+        block_sum_spread(sums, scratch);
+        const float* Ac = sums + 1;
+        const RouterScalars<N> route(sums[0], Ac, hidden, eps, router_scale);
+
+        float gk[N], gm[N], k[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) gk[i] = sums[1 + N + i] - sums[1 + 2 * N + i];
+        matrix_vector<N, N>(Q, route.m, 1.0f, k);
+        transposed_matrix_vector<N, N>(Q, gk, gm);
+        float gz[N], alpha[N];
+        const float beta = route.backward(gm, Ac, router_scale, gz, alpha);
+#pragma unroll
+        for (int i = 0; i < N * N; ++i) {
+            if (threadIdx.x == i) dQ = fmaf(gk[i / N], route.m[i % N], dQ);
+        }
+
+        float gd[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (i == A) {
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) g[i][e] -= gd[e];
+            }
+            slice.store(grad_predictions + i * plane + t * hidden, g[i]);
+        }
+        float gx[kVec];
+        router.input_grad(alpha, beta, x, gx);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gx[e] += gd[e];
+        slice.store(grad_activated + t * hidden, gx);
+        accumulate_weight_sums<N, Sums>(S, slice, hidden, route.r, gz, x);
+    }
+    store_weight_partials<N, N * N, Sums>(S, dQ, slice, partials, partial_stride, hidden);
+}
