@@ -37,7 +37,8 @@ from types import MethodType
 
 import torch
 
-from . import gemma3n_forward, gemma3n_ops
+from . import gemma3n_forward
+from .ops import gemma3n_altup
 from . import torch as altup
 from ._extras import missing
 from .ops.collapse import CPU_DTYPES
@@ -74,7 +75,7 @@ def _unserved(module, what: str, tensors, streams: int, hidden: int) -> str | No
     """Why the kernels cannot take this call of `module` (warned once per reason), or None. The CPU
     reference (serve_cpu) is held to the kernels' shapes, so that a model served on the CPU is served
     on CUDA."""
-    reason = gemma3n_ops.cuda_serves(streams, hidden)
+    reason = gemma3n_altup.cuda_serves(streams, hidden)
     if reason is None:
         first = tensors[0]
         if first.device.type == "cpu" and _serves_cpu(module):

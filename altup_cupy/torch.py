@@ -10,7 +10,7 @@
     streams   = expand(embeddings, [W_1, .., W_{N-1}])      # model input: N streams
     out       = collapse(streams, [U_1, .., U_{N-1}])       # model output: one hidden state
 
-Each is one custom operator of the `altup_cupy` namespace (see `gemma3n_ops`) with its backward
+Each is one custom operator of the `altup_cupy` namespace (see `gemma3n_altup`) with its backward
 registered through `_operators.Operator.register_autograd` (torch.library.register_autograd's
 kernel, and a shortcut for calls that record no gradient), so they compose with torch.compile
 (fullgraph) and CUDA graphs, and their CUDA backwards are bitwise deterministic. predict and
@@ -35,7 +35,8 @@ from typing import Sequence
 
 import torch
 
-from . import _arrays, gemma3n_ops
+from . import _arrays
+from .ops import gemma3n_altup
 from .ops.collapse import collapse_op
 from .reference.gemma3n import MAGNITUDE_FLOOR
 
@@ -89,7 +90,7 @@ def _register_routed_autograd(op: str, step: str) -> None:
                             grad_active=grad_active)
         return (*(_like(g, t) for g, t in zip(grads, saved)), None, None, None)
 
-    getattr(gemma3n_ops, op).register_autograd(backward, setup_context)
+    getattr(gemma3n_altup, op).register_autograd(backward, setup_context)
 
 
 # ---- predict -----------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def _expand_backward(ctx, grad_streams, _grad_projected):
     return _like(grad_x0, embeddings), [_like(g, w) for g, w in zip(grad_w.unbind(), projections)], None
 
 
-gemma3n_ops.expand.register_autograd(_expand_backward, _expand_setup)
+gemma3n_altup.expand.register_autograd(_expand_backward, _expand_setup)
 
 
 def expand(embeddings: torch.Tensor, projections: Sequence[torch.Tensor],

@@ -23,7 +23,7 @@ harness of altup_cupy.lab.bench, the GPU's sleep before each call outlasting the
 wall time: host clock from issue to completion (synchronised), median. Rows go to results/<gpu name>/gemma3n_training_step.csv of the current directory (or --out),
 the test log next to them as gemma3n_gpu_tests.log.
 
-Kernels: each row kernel of altup_cupy.gemma3n_kernels (predict and correct, forward and backward;
+Kernels: each row kernel of altup_cupy.ops.gemma3n_altup_versions (predict and correct, forward and backward;
 the expansion's epilogue and the magnitude-match backward; every version of a kernel that has
 several, as `<step>_v<version>`) alone at M = 256, 1024, 4096 and 8192 tokens, GPU time against a
 plain device copy of the bytes it must move (`vs_copy_floor`), in gemma3n_kernels.csv next to the
@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 import altup_cupy.gemma3n as gemma3n  # noqa: E402
-from altup_cupy import gemma3n_kernels as kernels  # noqa: E402
+from altup_cupy.ops import gemma3n_altup_versions as kernels  # noqa: E402
 from altup_cupy import torch as altup  # noqa: E402
 from altup_cupy.lab.bench import copy_floor, headstart_for, run_info, time_us, write_csv  # noqa: E402
 from altup_cupy.lab.paths import results_dir  # noqa: E402

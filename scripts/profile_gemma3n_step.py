@@ -5,7 +5,7 @@ with its kernels left out.
 
 For each task (train, prefill) under torch.compile it builds the `mini` model of
 `altup_cupy.lab.gemma3n_model` three times: unpatched, patched, and patched with the launchers of
-`altup_cupy.gemma3n_kernels` replaced by bare allocations of their outputs (the operators' dispatch,
+`altup_cupy.ops.gemma3n_altup_versions` replaced by bare allocations of their outputs (the operators' dispatch,
 validation and autograd stay; no kernel and no cuBLAS call is issued). The wall time of a step
 (median of 20, synchronised) of each shows what the patch's kernels cost the host: unpatched vs
 patched is the patch's net effect, patched vs no-kernels is the launchers' own share. Then eager
@@ -28,7 +28,7 @@ some kernel ran, and the idle rest (where the GPU waited for the host).
 With --in-step it measures the compiled train step, unpatched and patched: the wall time of 30
 synchronised steps (median, p10, p90, every sample sorted), with Python's garbage collector on and
 off; then, in 30 more steps of the patched model, the host time spent inside each of the package's
-functions that a step calls (the launchers of `gemma3n_kernels`, the Gemma operators' bodies and
+functions that a step calls (the launchers of `gemma3n_altup_versions`, the Gemma operators' bodies and
 their fast shape check, the collapse's CUDA path), per step and per call. A call inside a step costs
 more than the same call repeated back to back (`scripts/host_breakdown.py`): between two of its calls
 the rest of the step runs, and the caches the call's code and data sat in hold other things.
@@ -50,13 +50,13 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from altup_cupy import gemma3n_kernels, gemma3n_ops
+from altup_cupy.ops import gemma3n_altup, gemma3n_altup_versions
 from altup_cupy.lab import gemma3n_model
 from altup_cupy.ops import collapse as collapse_op
 
 LAUNCHERS = ("predict_forward", "correct_forward", "predict_backward", "correct_backward", "expand_forward",
              "expand_backward", "collapse_backward")
-REAL_LAUNCHERS = {name: getattr(gemma3n_kernels, name) for name in LAUNCHERS}
+REAL_LAUNCHERS = {name: getattr(gemma3n_altup_versions, name) for name in LAUNCHERS}
 
 
 def _square(weights):
@@ -82,7 +82,7 @@ BARE_LAUNCHERS = {
 
 def _use_launchers(launchers: dict) -> None:
     for name, function in launchers.items():
-        setattr(gemma3n_kernels, name, function)
+        setattr(gemma3n_altup_versions, name, function)
 
 
 def _wall_ms(step, reps: int = 20) -> float:
@@ -180,8 +180,8 @@ def run_case(task: str, mode: str, variant: str, batch: int, seq: int, out_dir: 
 
 
 # The package's functions a patched step calls, timed by --in-step: (module, function name).
-IN_STEP_FUNCTIONS = ([(gemma3n_kernels, name) for name in LAUNCHERS]
-                     + [(gemma3n_ops, name) for name in ("_predict_forward", "_correct_forward", "_kernels_take")]
+IN_STEP_FUNCTIONS = ([(gemma3n_altup_versions, name) for name in LAUNCHERS]
+                     + [(gemma3n_altup, name) for name in ("_predict_forward", "_correct_forward", "_kernels_take")]
                      + [(collapse_op, "_run_cuda")])
 
 

@@ -58,9 +58,9 @@ def _randn(gen, *shape, scale=1.0, dtype=torch.bfloat16):
 
 
 def test_one_pass_check_passes_only_what_the_kernels_take(seeds, monkeypatch):
-    """Good CUDA inputs skip the full validation (gemma3n_ops._kernels_take); every bad one still
+    """Good CUDA inputs skip the full validation (gemma3n_altup._kernels_take); every bad one still
     reaches it and raises its named error."""
-    from altup_cupy import gemma3n_ops
+    from altup_cupy.ops import gemma3n_altup
 
     gen = torch.Generator("cuda").manual_seed(seeds())
     n, h = STREAMS, 256
@@ -75,16 +75,16 @@ def test_one_pass_check_passes_only_what_the_kernels_take(seeds, monkeypatch):
         "correct": lambda P=Q, R=R, w=w, a=0: ops.correct(hs, act, P, R, w, a, 1e-6, 1 / h),
         "correct_backward": lambda P=Q, R=R, w=w, a=0: ops.correct_backward(grad, hs, act, P, R, w, a, 1e-6, 1 / h),
     }
-    full = {name: getattr(gemma3n_ops, name) for name in ("_validate_predict", "_validate_correct",
+    full = {name: getattr(gemma3n_altup, name) for name in ("_validate_predict", "_validate_correct",
                                                           "_validate_expand", "_validate_collapse")}
     for name in full:
-        monkeypatch.setattr(gemma3n_ops, name, lambda *a, name=name: pytest.fail(f"{name} ran on good inputs"))
+        monkeypatch.setattr(gemma3n_altup, name, lambda *a, name=name: pytest.fail(f"{name} ran on good inputs"))
     for call in calls.values():
         call()
     ops.expand_backward(grad, act, W, projected, 1e-5)
     ops.collapse_backward(act, hs, W, 1e-5)
     for name, function in full.items():
-        monkeypatch.setattr(gemma3n_ops, name, function)
+        monkeypatch.setattr(gemma3n_altup, name, function)
     misaligned = _randn(gen, h + 8)[1:h + 1]
     for name, call in calls.items():
         with pytest.raises(ValueError, match="router_weight must be contiguous"):
@@ -197,9 +197,9 @@ def test_backwards_are_bitwise_deterministic(seeds):
 @pytest.mark.parametrize("hidden,streams,active", [(2048, 4, 0), (2560, 4, 3), (2048, 3, 1), (64, 2, 1), (3072, 4, 2)])
 def test_every_backward_version_gives_the_first_versions_bits(seeds, hidden, streams, active):
     """The predict and correct backward versions differ only in where the weight-gradient sums and
-    the token's rows live (gemma3n_kernels.KERNELS): the same products in the same order, so the
+    the token's rows live (gemma3n_altup_versions.KERNELS): the same products in the same order, so the
     same bits. Outputs are poisoned (NaN-filled by the caching allocator's reuse) before each run."""
-    from altup_cupy import gemma3n_kernels as kernels
+    from altup_cupy.ops import gemma3n_altup_versions as kernels
 
     gen = torch.Generator("cuda").manual_seed(seeds())
     tokens = 3 * 132 * kernels.BACKWARD_BLOCKS_PER_SM + 5  # several tokens a block, a ragged last round
@@ -227,7 +227,7 @@ def test_active_row_copies_and_gradients_join_as_autograd_would(seeds, hidden, s
     """The forwards' copy of the active row is that row of their output, bit for bit; every backward
     version given `grad_active` gives the bits of the same version given grad with grad_active
     already added to row `active` (torch's bf16 addition, what autograd does for a view)."""
-    from altup_cupy import gemma3n_kernels as kernels
+    from altup_cupy.ops import gemma3n_altup_versions as kernels
 
     gen = torch.Generator("cuda").manual_seed(seeds())
     tokens = 2 * 132 * kernels.BACKWARD_BLOCKS_PER_SM + 3
@@ -264,7 +264,7 @@ def test_every_magnitude_match_backward_version_gives_the_first_versions_bits(se
     """The expansion's form (N upstream rows, fp32 base gradient) and the collapse's (one upstream
     row for every stream, scaled by 1 / N, bf16 base gradient), on projections with a row below
     the floor (the clamp's branch) and a zero base row; outputs NaN-filled before each run."""
-    from altup_cupy import gemma3n_kernels as kernels
+    from altup_cupy.ops import gemma3n_altup_versions as kernels
 
     gen = torch.Generator("cuda").manual_seed(seeds())
     tokens, floor = 1031, 1e-5
@@ -304,7 +304,7 @@ def _chain_leaves(seed):
 
 def _chain_grads(leaves):
     """The gradients of a loss over expand, predict, correct and collapse: every launcher of
-    gemma3n_kernels runs, forward and backward."""
+    gemma3n_altup_versions runs, forward and backward."""
     x, *W, P, Q, R, w = leaves
     pred = altup.predict(altup.expand(x, W), P, R, w, 1)
     out = altup.collapse(altup.correct(pred, torch.tanh(pred[1]), Q, R, w, 1), W)

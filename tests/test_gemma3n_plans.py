@@ -1,4 +1,4 @@
-"""The Gemma 3n launch plans (`gemma3n_kernels`) on the CPU: every launch a plan issues gets one
+"""The Gemma 3n launch plans (`gemma3n_altup_versions`) on the CPU: every launch a plan issues gets one
 value per argument its kernel declares, of the declared kind, in the documented order, and every
 GEMM the documented operands. The kernels and cuBLASLt are replaced by recorders (CPU tensors have
 real addresses), so a slip in a plan's argument list fails here, before a GPU would see it."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from altup_cupy import _cublas, _device
-from altup_cupy import gemma3n_kernels as kernels
+from altup_cupy.ops import gemma3n_altup_versions as kernels
 
 BF16 = torch.bfloat16
 KINDS = {"ptr": int, "i32": int, "i64": int, "f32": float}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from altup_cupy import gemma3n_ops
+from altup_cupy.ops import gemma3n_altup
 from altup_cupy import torch as altup
 from gemma3n_support import random_altup_inputs
 
@@ -77,7 +77,7 @@ def test_calls_that_record_no_gradient_go_straight_to_the_implementation(seeds, 
     h, P, R, w = _leaves(x.hidden_states, x.prediction_coefs, x.router_weight, x.norm_weight)
     projections = _leaves(*torch.randn(3, 8, 8, dtype=torch.float64).unbind())
     inputs = (h, P, R, w, *projections)
-    cases = {"predict": (gemma3n_ops.predict, lambda *t: altup.predict(*t[:4], 1, 1e-6)),
+    cases = {"predict": (gemma3n_altup.predict, lambda *t: altup.predict(*t[:4], 1, 1e-6)),
              "collapse": (collapse_op, lambda *t: altup.collapse(t[0], t[4:]))}
     for name, (operator, call) in cases.items():
         straight = []
@@ -252,10 +252,10 @@ def test_named_errors(seeds):
 
 
 def test_cuda_serves_names_the_limits():
-    assert gemma3n_ops.cuda_serves(4, 2048) is None and gemma3n_ops.cuda_serves(4, 2560) is None
-    assert "N = 5" in gemma3n_ops.cuda_serves(5, 2048)
-    assert "H = 2052" in gemma3n_ops.cuda_serves(4, 2052)
-    assert "H = 4096" in gemma3n_ops.cuda_serves(4, 4096)
+    assert gemma3n_altup.cuda_serves(4, 2048) is None and gemma3n_altup.cuda_serves(4, 2560) is None
+    assert "N = 5" in gemma3n_altup.cuda_serves(5, 2048)
+    assert "H = 2052" in gemma3n_altup.cuda_serves(4, 2052)
+    assert "H = 4096" in gemma3n_altup.cuda_serves(4, 4096)
 
 
 def test_inputs_not_mutated(seeds):
@@ -271,10 +271,10 @@ def test_cuda_input_checks_name_the_argument():
     """What the CUDA implementations refuse, checked on CPU tensors (the checks read only metadata)."""
     good = torch.zeros(4, 2, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="hidden_states must be bfloat16 on CUDA, got torch.float32"):
-        gemma3n_ops._check_cuda([("hidden_states", good.float())], 4, 64)
+        gemma3n_altup._check_cuda([("hidden_states", good.float())], 4, 64)
     with pytest.raises(ValueError, match="router_weight must be contiguous"):
-        gemma3n_ops._check_cuda([("hidden_states", good), ("router_weight", good[0, 0].T)], 4, 64)
+        gemma3n_altup._check_cuda([("hidden_states", good), ("router_weight", good[0, 0].T)], 4, 64)
     with pytest.raises(ValueError, match="norm_weight must be 16-byte aligned"):
-        gemma3n_ops._check_cuda([("hidden_states", good), ("norm_weight", good.flatten()[1:65])], 4, 64)
+        gemma3n_altup._check_cuda([("hidden_states", good), ("norm_weight", good.flatten()[1:65])], 4, 64)
     with pytest.raises(ValueError, match="do not take N = 5 streams"):
-        gemma3n_ops._check_cuda([("hidden_states", good)], 5, 64)
+        gemma3n_altup._check_cuda([("hidden_states", good)], 5, 64)

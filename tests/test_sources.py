@@ -130,7 +130,7 @@ def test_default_dispatch_capability_follows_the_cap(monkeypatch):
 def test_every_gemma3n_kernel_instance_is_compiled():
     """Every instantiation a Gemma 3n launcher can ask for is a name expression of its registry
     entry's source (`KernelSource.kernel` refuses any other), and its argument types exist."""
-    from altup_cupy import gemma3n_kernels
+    from altup_cupy.ops import gemma3n_altup_versions
     from altup_cupy._launch import ARG_CODES
 
     streams = _sources.SUPPORTED_STREAMS
@@ -143,9 +143,9 @@ def test_every_gemma3n_kernel_instance_is_compiled():
         "expand_forward": [(n,) for n in streams],
         "magnitude_match_backward": [(n, t) for n in streams for t in ("float", "unsigned short")],
     }
-    assert params.keys() == gemma3n_kernels.KERNELS.keys()
-    for step, versions in gemma3n_kernels.KERNELS.items():
-        assert gemma3n_kernels.DEFAULT[step] == len(versions), step
+    assert params.keys() == gemma3n_altup_versions.KERNELS.keys()
+    for step, versions in gemma3n_altup_versions.KERNELS.items():
+        assert gemma3n_altup_versions.DEFAULT[step] == len(versions), step
         for version, entry in enumerate(versions, 1):
             assert entry.source in ALL_SOURCES, (step, version)
             assert set(entry.arg_types) <= ARG_CODES.keys(), (step, version)
@@ -156,10 +156,10 @@ def test_every_gemma3n_kernel_instance_is_compiled():
 def test_every_gemma3n_kernel_version_is_its_own_file():
     """A version of a Gemma 3n step is one .cu, named altup_<step>_v<n>.cu, whose kernel carries
     that name and whose header says what the version is or changed (where a step has several)."""
-    from altup_cupy import gemma3n_kernels
+    from altup_cupy.ops import gemma3n_altup_versions
 
     seen = set()
-    for step, versions in gemma3n_kernels.KERNELS.items():
+    for step, versions in gemma3n_altup_versions.KERNELS.items():
         for version, entry in enumerate(versions, 1):
             name = f"altup_{step}_v{version}"
             assert entry.source.filename == f"{name}.cu" and entry.template == name, (step, version)
@@ -170,14 +170,14 @@ def test_every_gemma3n_kernel_version_is_its_own_file():
 
 
 def test_a_gemma3n_kernel_version_outside_the_registry_is_refused():
-    from altup_cupy import gemma3n_kernels
+    from altup_cupy.ops import gemma3n_altup_versions
 
-    versions = len(gemma3n_kernels.KERNELS["predict_backward"])
-    assert gemma3n_kernels.check_version("predict_backward", None) == versions
-    assert gemma3n_kernels.check_version("predict_backward", 1) == 1
+    versions = len(gemma3n_altup_versions.KERNELS["predict_backward"])
+    assert gemma3n_altup_versions.check_version("predict_backward", None) == versions
+    assert gemma3n_altup_versions.check_version("predict_backward", 1) == 1
     for bad in (0, versions + 1, -1, True, 1.0, "2"):
         with pytest.raises(ValueError, match="predict_backward: version must be one of"):
-            gemma3n_kernels.check_version("predict_backward", bad)
+            gemma3n_altup_versions.check_version("predict_backward", bad)
 
 
 @pytest.mark.parametrize("shared_per_sm, streams, predict_version, correct_version", [
@@ -188,8 +188,9 @@ def test_a_gemma3n_kernel_version_outside_the_registry_is_refused():
 ])
 def test_the_routed_backward_default_keeps_two_blocks_an_sm(monkeypatch, shared_per_sm, streams, predict_version,
                                                             correct_version):
-    from altup_cupy import _device, gemma3n_kernels
+    from altup_cupy import _device
+    from altup_cupy.ops import gemma3n_altup_versions
 
     monkeypatch.setattr(_device, "shared_memory_per_sm", lambda index: shared_per_sm)
-    assert gemma3n_kernels._routed_default("predict_backward", 0, streams, 2048) == predict_version
-    assert gemma3n_kernels._routed_default("correct_backward", 0, streams, 2048) == correct_version
+    assert gemma3n_altup_versions._routed_default("predict_backward", 0, streams, 2048) == predict_version
+    assert gemma3n_altup_versions._routed_default("correct_backward", 0, streams, 2048) == correct_version

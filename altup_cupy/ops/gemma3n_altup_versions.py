@@ -1,6 +1,6 @@
 """The CUDA side of Gemma 3n's AltUp steps: kernel sources and launchers on torch CUDA tensors.
 
-Each launcher takes bf16 CUDA tensors already validated by `gemma3n_ops` (contiguous, 16-byte
+Each launcher takes bf16 CUDA tensors already validated by `gemma3n_altup` (contiguous, 16-byte
 aligned rows, H % 8 == 0, 2 <= N <= 4) and runs on torch's current stream of the tensors'
 device. Each step runs a launch plan built once per shape (`row_forward_plan`, `routed_backward_plan`,
 `expand_plan`, ...): its packed launches, grids, cuBLASLt GEMMs and scratch layout fixed, so a call
@@ -20,10 +20,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from . import _cublas, _device, _sources
-from ._build import KernelSource
-from ._launch import PackedLaunch, ceil_div, round_up
-from ._scratch import StreamScratch
+from .. import _cublas, _device, _sources
+from .._build import KernelSource
+from .._launch import PackedLaunch, ceil_div, round_up
+from .._scratch import StreamScratch
 
 STREAMS = _sources.SUPPORTED_STREAMS
 MAX_HIDDEN = 8 * _sources.ROW_THREADS_MAX  # one block per token holds a row in H / 8 threads
@@ -103,7 +103,8 @@ def _versions(sources: Sequence[KernelSource], arg_types: tuple[str, ...],
               weight_sums_bytes: Sequence[Callable[[int, int], int] | None] | None = None) -> tuple[RowKernel, ...]:
     """One entry per source, version v the v-th: each source's kernel is named after its file."""
     sums = weight_sums_bytes or (None,) * len(sources)
-    return tuple(RowKernel(source, source.filename.removesuffix(".cu"), arg_types, s) for source, s in zip(sources, sums))
+    return tuple(RowKernel(source, source.filename.removesuffix(".cu"), arg_types, s)
+                 for source, s in zip(sources, sums))
 
 
 # Each step's versions, oldest first, with what each changed (the header of its .cu says more); the

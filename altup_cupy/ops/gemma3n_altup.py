@@ -16,12 +16,12 @@ steps, forward and backward.
     (grad_W, grad_U: the N-1 matrices' gradients stacked, [N-1, H, H])
 
 Each has a fake implementation (shapes only: torch.compile, FakeTensorMode), a CUDA implementation
-(the kernels of `gemma3n_kernels`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072; weight gradients
-accumulated in fp32 and returned in the weights' dtype, bf16) and a CPU implementation:
+(the kernels of `gemma3n_altup_versions`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072; weight
+gradients accumulated in fp32 and returned in the weights' dtype, bf16) and a CPU implementation:
 `reference.gemma3n` in float32 (float64 for float64 inputs, so torch.autograd.gradcheck runs on
-it), results in the input dtype and weight gradients in float32 (float64). router_scale is the s of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or
-transformers' `router_input_scale` buffer in the model's dtype. `altup_cupy.torch` makes them
-differentiable.
+it), results in the input dtype and weight gradients in float32 (float64). router_scale is the s
+of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or transformers'
+`router_input_scale` buffer in the model's dtype. `altup_cupy.torch` makes them differentiable.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Sequence
 
 import torch
 
-from . import _arrays
-from . import gemma3n_kernels as cuda
-from ._operators import operator
-from .ops.collapse import CPU_DTYPES
-from .reference import gemma3n as ref
+from .. import _arrays
+from .._operators import operator
+from ..reference import gemma3n as ref
+from . import gemma3n_altup_versions as cuda
+from .collapse import CPU_DTYPES
 
 BF16 = torch.bfloat16
 
