@@ -1,7 +1,8 @@
 """The version registries against the recorded benchmark (issue 21): a registered version that the
 default beats on every recorded workload must say why it stays (`Version.kept_because`: a teaching
 step, a portable fallback); one that wins nowhere and has no reason belongs in git history and its
-notebook's story, not in the registry. CPU only: it reads the committed CSVs."""
+notebook's story, not in the registry. The same for Gemma 3n's row kernels against their recorded
+run. CPU only: it reads the committed CSVs."""
 
 from __future__ import annotations
 
@@ -45,3 +46,43 @@ def test_version_slower_than_the_default_everywhere_says_why_it_stays(op, number
         assert version.kept_because, (
             f"{op} v{number} is slower than the default on all {len(shared)} recorded workloads: "
             "state why it stays (Version.kept_because) or drop it")
+
+
+# ---- Gemma 3n's row kernels (ops/gemma3n_altup_versions.KERNELS) against gemma3n_kernels.csv ----
+
+def _gemma3n_versions() -> list:
+    from altup_cupy.ops.gemma3n_altup_versions import KERNELS
+
+    return [pytest.param(step, number, id=f"gemma3n-{step}-v{number}") for step, versions in KERNELS.items()
+            for number in range(1, len(versions) + 1)]
+
+
+def _gemma3n_kernel_medians() -> dict[str, dict[tuple, float]]:
+    """{kernel column: {(N, H, tokens): median µs}} of the recorded row-kernel run; skips if absent."""
+    path = RECORDED_RESULTS_DIR / "gemma3n_kernels.csv"
+    if not path.is_file():
+        pytest.skip(f"no recorded Gemma 3n kernel run ({path} is absent)")
+    medians: dict[str, dict[tuple, float]] = {}
+    for row in read_csv(path):
+        medians.setdefault(row["kernel"], {})[(row["N"], row["H"], row["tokens"])] = float(row["gpu_median_us"])
+    return medians
+
+
+@pytest.mark.parametrize("step,number", _gemma3n_versions())
+def test_gemma3n_version_slower_than_the_default_everywhere_says_why_it_stays(step, number):
+    from altup_cupy.ops.gemma3n_altup_versions import DEFAULT, KERNELS
+
+    entry = KERNELS[step][number - 1]
+    assert entry.note, f"{step} v{number}: say in one line what the version changed (RowKernel.note)"
+    if number == DEFAULT[step]:
+        return
+    medians = _gemma3n_kernel_medians()
+    # The recorded run's default is the newest version (sm_90 holds two blocks of every version an SM).
+    default, own = medians.get(f"{step}_v{DEFAULT[step]}", {}), medians.get(f"{step}_v{number}", {})
+    shared = [size for size in own if size in default]
+    if not shared:
+        pytest.skip(f"{step} v{number} has no recorded line next to the default's")
+    if all(own[size] > default[size] for size in shared):
+        assert entry.kept_because, (
+            f"{step} v{number} is slower than the default at all {len(shared)} recorded sizes: "
+            "state why it stays (RowKernel.kept_because) or drop it")

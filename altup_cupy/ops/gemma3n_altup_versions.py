@@ -86,51 +86,76 @@ def _slice_major_sums(streams: int, hidden: int) -> int:
 
 class RowKernel(NamedTuple):
     """One version of one step's kernel: its source (kernels/<template>.cu, the version's own
-    file), its template and its argument types; a routed backward's also the dynamic shared memory
-    of its weight-gradient sums, (N, H) -> bytes. A new version of a step is a new entry at the end
-    of the step's tuple in `KERNELS`, with its `.cu` and its `KernelSource` in `_sources`."""
+    file), its template, its argument types and one line on what the version changed; a routed
+    backward's also the dynamic shared memory of its weight-gradient sums, (N, H) -> bytes. A
+    version the default beats at every recorded size says why it stays (`kept_because`, as the
+    benchmark ops' `Version`s do; tests/test_registry.py checks it against gemma3n_kernels.csv).
+    A new version of a step is a new entry at the end of the step's tuple in `KERNELS`, with its
+    `.cu` and its `KernelSource` in `_sources`."""
     source: KernelSource
     template: str
     arg_types: tuple[str, ...]
+    note: str
     weight_sums_bytes: Callable[[int, int], int] | None = None
+    kept_because: str = ""
 
     def instance(self, params: tuple) -> str:
         """The name expression of the instantiation <params...> (as `_sources` lists it)."""
         return f"{self.template}<{', '.join(map(str, params))}>"
 
 
-def _versions(sources: Sequence[KernelSource], arg_types: tuple[str, ...],
-              weight_sums_bytes: Sequence[Callable[[int, int], int] | None] | None = None) -> tuple[RowKernel, ...]:
-    """One entry per source, version v the v-th: each source's kernel is named after its file."""
-    sums = weight_sums_bytes or (None,) * len(sources)
-    return tuple(RowKernel(source, source.filename.removesuffix(".cu"), arg_types, s)
-                 for source, s in zip(sources, sums))
+def _kernel(source: KernelSource, arg_types: tuple[str, ...], note: str,
+            weight_sums_bytes: Callable[[int, int], int] | None = None, kept_because: str = "") -> RowKernel:
+    """A version whose kernel is named after its file."""
+    return RowKernel(source, source.filename.removesuffix(".cu"), arg_types, note, weight_sums_bytes, kept_because)
 
 
-# Each step's versions, oldest first, with what each changed (the header of its .cu says more); the
-# last is the one the operators use (`DEFAULT`), except where `_routed_default` picks an older
-# predict or correct backward for the GPU at hand.
+_PREDICT_BACKWARD_ARGS = _PTR * 8 + _BACKWARD_TAIL
+_CORRECT_BACKWARD_ARGS = _PTR * 10 + _BACKWARD_TAIL
+_MAGNITUDE_MATCH_BACKWARD_ARGS = _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")
+_ROW_MAJOR_FALLBACK = ("the default where slice-major sums would leave one block an SM: N = 4 on GPUs with 100 KiB "
+                       "of shared memory an SM (sm_86, sm_89)")
+
+# Each step's versions, oldest first (the header of each .cu says more); the last is the one the
+# operators use (`DEFAULT`), except where `_routed_default` picks an older predict or correct
+# backward for the GPU at hand. Template arguments: the forwards <N, active index>, the routed
+# backwards <N, active index, grad_active given>, router_grads and expand_forward <N>, the
+# magnitude-match backward <N, the base row gradient's type>.
 KERNELS = {
-    # <N, active index>
-    "predict_forward": _versions((_sources.ALTUP_PREDICT_FORWARD_V1,), _PTR * 6 + _FORWARD_TAIL),
-    # <N, active index, grad_active given>: v1 row-major weight sums (8-way bank conflicts), v2
-    # slice-major, v3 slice-major with the token's rows packed in registers (g read once)
-    "predict_backward": _versions((_sources.ALTUP_PREDICT_BACKWARD_V1, _sources.ALTUP_PREDICT_BACKWARD_V2,
-                                   _sources.ALTUP_PREDICT_BACKWARD_V3), _PTR * 8 + _BACKWARD_TAIL,
-                                  (_row_major_sums, _slice_major_sums, _slice_major_sums)),
-    "correct_forward": _versions((_sources.ALTUP_CORRECT_FORWARD_V1,), _PTR * 7 + _FORWARD_TAIL),
-    # <N, active index, grad_active given>: v1 row-major weight sums, v2 slice-major
-    "correct_backward": _versions((_sources.ALTUP_CORRECT_BACKWARD_V1, _sources.ALTUP_CORRECT_BACKWARD_V2),
-                                  _PTR * 10 + _BACKWARD_TAIL, (_row_major_sums, _slice_major_sums)),
-    # <N>
-    "router_grads": _versions((_sources.ALTUP_ROUTER_GRADS_V1,),
-                              ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr", "ptr")),
-    "expand_forward": _versions((_sources.ALTUP_EXPAND_FORWARD_V1,), _PTR * 3 + ("i64", "i64", "i64", "i32", "f32")),
-    # <N, the base row's type>: v1 every row unpacked in registers (2 blocks an SM at H = 2048), v2
-    # the bf16 rows packed (3 blocks)
-    "magnitude_match_backward": _versions((_sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V1,
-                                           _sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V2),
-                                          _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", "f32")),
+    "predict_forward": (
+        _kernel(_sources.ALTUP_PREDICT_FORWARD_V1, _PTR * 6 + _FORWARD_TAIL,
+                "one block per token: its N rows read once, N predictions written once"),),
+    "predict_backward": (
+        _kernel(_sources.ALTUP_PREDICT_BACKWARD_V1, _PREDICT_BACKWARD_ARGS,
+                "weight-gradient sums row-major in shared memory (8-way bank conflicts), g reloaded through L1",
+                _row_major_sums, _ROW_MAJOR_FALLBACK),
+        _kernel(_sources.ALTUP_PREDICT_BACKWARD_V2, _PREDICT_BACKWARD_ARGS,
+                "weight-gradient sums slice-major: no bank conflict", _slice_major_sums,
+                "teaching step: the sums' layout alone, before v3 packs the token's rows"),
+        _kernel(_sources.ALTUP_PREDICT_BACKWARD_V3, _PREDICT_BACKWARD_ARGS,
+                "the token's rows of h and g packed in registers: g read once", _slice_major_sums)),
+    "correct_forward": (
+        _kernel(_sources.ALTUP_CORRECT_FORWARD_V1, _PTR * 7 + _FORWARD_TAIL,
+                "one block per token: N predictions and x read once, N rows written once"),),
+    "correct_backward": (
+        _kernel(_sources.ALTUP_CORRECT_BACKWARD_V1, _CORRECT_BACKWARD_ARGS,
+                "weight-gradient sums row-major in shared memory (8-way bank conflicts)", _row_major_sums,
+                _ROW_MAJOR_FALLBACK),
+        _kernel(_sources.ALTUP_CORRECT_BACKWARD_V2, _CORRECT_BACKWARD_ARGS,
+                "weight-gradient sums slice-major: no bank conflict", _slice_major_sums)),
+    "router_grads": (
+        _kernel(_sources.ALTUP_ROUTER_GRADS_V1, ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr",
+                                                 "ptr"),
+                "the backwards' per-block partials summed in block order, finished in bf16"),),
+    "expand_forward": (
+        _kernel(_sources.ALTUP_EXPAND_FORWARD_V1, _PTR * 3 + ("i64", "i64", "i64", "i32", "f32"),
+                "the magnitude match after the projection GEMMs, one block per token"),),
+    "magnitude_match_backward": (
+        _kernel(_sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V1, _MAGNITUDE_MATCH_BACKWARD_ARGS,
+                "every row of the token unpacked in registers: 2 blocks an SM at H = 2048",
+                kept_because="teaching step: the unpacked baseline that v2's packing is measured against"),
+        _kernel(_sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V2, _MAGNITUDE_MATCH_BACKWARD_ARGS,
+                "the bf16 rows kept packed in registers: 3 blocks an SM at H = 2048")),
 }
 DEFAULT = {step: len(versions) for step, versions in KERNELS.items()}  # version numbers count from 1
 
