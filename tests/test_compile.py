@@ -18,6 +18,7 @@ import pytest
 import altup_cupy
 from altup_cupy._build import KERNELS_DIR, KernelSource, compile_offline
 from altup_cupy._sources import ALL_SOURCES, PREDICT_CORRECT_BACKWARD_V4
+from altup_cupy.lab import occupancy
 from altup_cupy.lab.compile_report import compile_all, demangle, offline_targets
 
 TARGETS = offline_targets(ALL_SOURCES)
@@ -55,6 +56,23 @@ def test_compiles_without_spills(filename, arch, builds, kernel_resources):
            if k.stack_frame_bytes or k.spill_store_bytes or k.spill_load_bytes]
     assert not bad, f"{filename} ({arch}): kernels with a stack frame or spills (name, stack, st, ld): {bad}"
     assert all(0 < k.registers <= 255 for k in kernels)
+
+
+@pytest.mark.parametrize("filename, arch", [(s.filename, arch) for s, arch in TARGETS],
+                         ids=[f"{arch}-{s.filename}" for s, arch in TARGETS])
+def test_recorded_occupancy_is_this_compile(filename, arch, builds):
+    """results/offline/occupancy.csv, which the notebooks read registers and blocks per SM from,
+    holds what this compile gives: a kernel change without regenerating it fails here."""
+    fresh = occupancy.occupancy_rows(builds[(filename, arch)].result())
+    recorded = [row for row in occupancy.read_occupancy() if (row["arch"], row["source"]) == (arch, filename)]
+    regenerate = "regenerate it: python -m altup_cupy.lab.occupancy"
+    assert len(recorded) == len(fresh), (
+        f"{filename} ({arch}): {len(recorded)} recorded kernels, {len(fresh)} compiled; {regenerate}")
+    for old, new in zip(recorded, fresh):
+        # Names compare where c++filt made them readable (the recorded ones are).
+        fields = [key for key in occupancy.CSV_COLUMNS if key != "kernel" or not new["kernel"].startswith("_Z")]
+        assert [old[key] for key in fields] == [new[key] for key in fields], (
+            f"{filename} ({arch}) {new['kernel']}: recorded {old}, compiled {new}; {regenerate}")
 
 
 def test_every_architecture_from_sm80_is_covered():
