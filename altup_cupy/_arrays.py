@@ -50,19 +50,32 @@ def _dims(names: str) -> str:
     return "[" + ", ".join(names.split()) + "]"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: how the messages name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int | None],
                  dims: str) -> None:
     """dtype, rank, extents (None: any) and contiguity of one tensor. `dims` names the axes
     ("N B S H"), so a wrong rank says which layout was expected. The common case (all fine, no
     wildcard) costs two comparisons; the messages are built only on failure."""
     if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {str(dtype).removeprefix('torch.')}, "
-                        f"got {str(t.dtype).removeprefix('torch.')}")
+        raise TypeError(f"{name} must have dtype {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
+    check_shape(name, t, shape, dims)
+    check_contiguous(name, t)
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None], dims: str) -> None:
+    """Rank and extents (None: any) of one tensor; `dims` names the axes."""
     if None in shape:
-        if t.dim() != len(shape):
+        if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
             _shape_error(name, t, shape, dims)
     elif t.shape != shape:
         _shape_error(name, t, shape, dims)
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise ValueError(
             f"{name} must be C-contiguous (a non-contiguous view would be read wrongly); "

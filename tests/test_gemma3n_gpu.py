@@ -87,9 +87,9 @@ def test_one_pass_check_passes_only_what_the_kernels_take(seeds, monkeypatch):
         monkeypatch.setattr(gemma3n_altup, name, function)
     misaligned = _randn(gen, h + 8)[1:h + 1]
     for name, call in calls.items():
-        with pytest.raises(ValueError, match="router_weight must be contiguous"):
+        with pytest.raises(ValueError, match="router_weight must be C-contiguous"):
             call(R=_randn(gen, h, n).T)
-        with pytest.raises(ValueError, match="norm_weight must be 16-byte aligned"):
+        with pytest.raises(ValueError, match="norm_weight must start at a 16-byte aligned address"):
             call(w=misaligned)
         with pytest.raises(TypeError, match="norm_weight must have dtype bfloat16"):
             call(w=w.float())
@@ -101,7 +101,7 @@ def test_one_pass_check_passes_only_what_the_kernels_take(seeds, monkeypatch):
         ops.expand_backward(grad, act, W, projected.bfloat16(), 1e-5)
     with pytest.raises(ValueError, match="projections must hold N-1"):
         ops.collapse_backward(act, hs, W[:-1], 1e-5)
-    with pytest.raises(ValueError, match="projections\\[1\\] must be contiguous"):
+    with pytest.raises(ValueError, match="projections\\[1\\] must be C-contiguous"):
         ops.collapse_backward(act, hs, [W[0], W[1].T, W[2]], 1e-5)
 
 

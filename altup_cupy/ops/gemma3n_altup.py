@@ -41,10 +41,6 @@ BF16 = torch.bfloat16
 
 # ---- validation: named errors before anything runs -------------------------------------------
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_tensor(name: str, t, shape: tuple, dims: str, dtype: torch.dtype | None = None) -> None:
     """A tensor of this shape (None: any extent). dtype: the one every input of the call shares
     (the first input's). On the CPU, the dtypes the top-level ops' CPU reference takes; on CUDA,
@@ -52,17 +48,15 @@ def _check_tensor(name: str, t, shape: tuple, dims: str, dtype: torch.dtype | No
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {_dtype_name(dtype)} (that of the first tensor: one dtype per "
-                        f"call), got {_dtype_name(t.dtype)}")
+        raise TypeError(f"{name} must have dtype {_arrays.dtype_name(dtype)} (that of the first tensor: one "
+                        f"dtype per call), got {_arrays.dtype_name(t.dtype)}")
     if t.is_cpu and t.dtype not in CPU_DTYPES:
-        *others, last = map(_dtype_name, CPU_DTYPES)
-        raise TypeError(f"{name} must have dtype {', '.join(others)} or {last} on the CPU, got {_dtype_name(t.dtype)}")
+        *others, last = map(_arrays.dtype_name, CPU_DTYPES)
+        raise TypeError(f"{name} must have dtype {', '.join(others)} or {last} on the CPU, "
+                        f"got {_arrays.dtype_name(t.dtype)}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    extents = t.shape
-    if len(extents) != len(shape) or any(want is not None and want != got for want, got in zip(shape, extents)):
-        expected = "[" + ", ".join(str(s) if s is not None else d for s, d in zip(shape, dims.split())) + "]"
-        raise ValueError(f"{name} must have shape {expected} ({dims}), got {list(t.shape)}")
+    _arrays.check_shape(name, t, shape, dims)
 
 
 def _check_streams_rows(streams_name: str, streams_t, rows: Sequence[tuple[str, torch.Tensor]] = ()):
@@ -113,17 +107,12 @@ def _check_cuda(tensors: Sequence[tuple[str, torch.Tensor]], streams: int, hidde
     reason = cuda_serves(streams, hidden)
     if reason is not None:
         raise ValueError(f"the CUDA kernels do not take {reason}")
-    first_name, first = tensors[0]
-    device = first.get_device()
     for name, t in tensors:
         if t.dtype != BF16:
             raise TypeError(f"{name} must be bfloat16 on CUDA, got {t.dtype}")
-        if t.get_device() != device:
-            raise ValueError(f"{name} is on {t.device}, expected {first.device} (the device of {first_name})")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned (data_ptr % 16 == 0), got {t.data_ptr() % 16}")
+        _arrays.check_contiguous(name, t)
+    _arrays.check_devices(tensors)
+    _arrays.check_aligned(tensors)
 
 
 def _kernels_take(streams_t: torch.Tensor, active_idx, others: Sequence[torch.Tensor], shapes) -> bool:
