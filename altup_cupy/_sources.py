@@ -190,10 +190,12 @@ ALTUP_PREDICT_FORWARD_V1 = KernelSource("altup_predict_forward_v1.cu", _per_acti
 ALTUP_PREDICT_BACKWARD_V1 = _routed_backward("predict_backward", 1)
 ALTUP_PREDICT_BACKWARD_V2 = _routed_backward("predict_backward", 2)
 ALTUP_PREDICT_BACKWARD_V3 = _routed_backward("predict_backward", 3)
+ALTUP_PREDICT_BACKWARD_V4 = _routed_backward("predict_backward", 4)
 ALTUP_CORRECT_FORWARD_V1 = KernelSource("altup_correct_forward_v1.cu", _per_active("altup_correct_forward_v1"),
                                         min_arch=80, defines=_ROWS)
 ALTUP_CORRECT_BACKWARD_V1 = _routed_backward("correct_backward", 1)
 ALTUP_CORRECT_BACKWARD_V2 = _routed_backward("correct_backward", 2)
+ALTUP_CORRECT_BACKWARD_V3 = _routed_backward("correct_backward", 3)
 ALTUP_EXPAND_FORWARD_V1 = KernelSource("altup_expand_forward_v1.cu",
                                        tuple(f"altup_expand_forward_v1<{n}>" for n in SUPPORTED_STREAMS),
                                        min_arch=80, defines=_ROWS)
@@ -215,9 +217,11 @@ ALL_SOURCES = (
     ALTUP_PREDICT_BACKWARD_V1,
     ALTUP_PREDICT_BACKWARD_V2,
     ALTUP_PREDICT_BACKWARD_V3,
+    ALTUP_PREDICT_BACKWARD_V4,
     ALTUP_CORRECT_FORWARD_V1,
     ALTUP_CORRECT_BACKWARD_V1,
     ALTUP_CORRECT_BACKWARD_V2,
+    ALTUP_CORRECT_BACKWARD_V3,
     ALTUP_EXPAND_FORWARD_V1,
     ALTUP_MAGNITUDE_MATCH_BACKWARD_V1,
     ALTUP_MAGNITUDE_MATCH_BACKWARD_V2,

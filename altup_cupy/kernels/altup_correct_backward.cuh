@@ -1,8 +1,10 @@
 // altup_correct_backward.cuh: the backward of Gemma 3n's AltUp correct step (the forward and its
 // math: altup_correct_forward_v1.cu), the body its versions share. A version is one
 // altup_correct_backward_v<n>.cu: it says what it changed and defines its kernel
-// altup_correct_backward_v<n><N, A, kActive> by naming where the router's weight-gradient sums
-// live in shared memory (Sums, altup_rows.cuh). Every version gives the same bits.
+// altup_correct_backward_v<n><N, A, kActive> by naming two policies, where the router's
+// weight-gradient sums live in shared memory (Sums, altup_rows.cuh) and where a token's rows live
+// between their loads and their uses (Rows, below or in the version's file). Every version gives
+// the same bits.
 //
 // A fixed grid of blocks walks the tokens (altup_predict_backward.cuh says why). Per token, ONE
 // block reduction gives <x, x>, A_n = sum_d R_nd w_d x_d, <g_i, x> and <g_i, pred_a>:
@@ -39,8 +41,63 @@
     grad_corrected, grad_active, predictions, activated, correction_coefs, router_weight, norm_weight,  \
     grad_predictions, grad_activated, partials, partial_stride, tokens, hidden, eps, router_scale
 
-// The body of every version: Sums is the version's policy.
-template <int N, int A, bool kActive, typename Sums>
+// Where a token's rows are in memory: row i of g, its row of grad_active (read only where
+// kActive), x and the active prediction.
+struct CorrectTokenRows {
+    const unsigned short* grad_corrected;
+    const unsigned short* grad_active;
+    const unsigned short* predictions;
+    const unsigned short* activated;
+    long long plane;
+    int hidden;
+    __device__ __forceinline__ const unsigned short* g(const long long t, const int i) const {
+        return grad_corrected + i * plane + t * hidden;
+    }
+    __device__ __forceinline__ const unsigned short* active_g(const long long t) const {
+        return grad_active + t * hidden;
+    }
+    __device__ __forceinline__ const unsigned short* x(const long long t) const { return activated + t * hidden; }
+    __device__ __forceinline__ const unsigned short* pred_a(const long long t, const int a) const {
+        return predictions + a * plane + t * hidden;
+    }
+};
+
+// Where the backward keeps a token's rows (the policy Rows): `g(i, out)`, `x(out)` and
+// `pred_a(out)` give row i of g (g_A with this token's row of grad_active added), x and the active
+// prediction unpacked to fp32. Each is built for token t by Rows(slice, rows, t, ahead), where
+// `ahead` (of the policy's type Ahead, made once a block) is what the policy carries from one of
+// the block's tokens to its next.
+//
+// UnpackedRows (v1, v2): the token's N + 2 rows unpacked in registers, loaded when its turn comes.
+template <int N, int A, bool kActive>
+struct UnpackedRows {
+    using Ahead = NothingAhead;
+    float rows_g[N][kVec], row_x[kVec], row_pred_a[kVec];
+    __device__ __forceinline__ UnpackedRows(const RowSlice& slice, const CorrectTokenRows& rows, const long long t,
+                                            Ahead&) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) slice.load(rows.g(t, i), rows_g[i]);
+        float extra[kVec];
+        if (kActive) slice.load(rows.active_g(t), extra);
+        slice.load(rows.x(t), row_x);
+        slice.load(rows.pred_a(t, A), row_pred_a);
+        if (kActive) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) rows_g[A][e] += extra[e];
+            round_bf16x8(rows_g[A]);
+        }
+    }
+    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { copy8(rows_g[i], out); }
+    __device__ __forceinline__ void x(float (&out)[kVec]) const { copy8(row_x, out); }
+    __device__ __forceinline__ void pred_a(float (&out)[kVec]) const { copy8(row_pred_a, out); }
+    __device__ __forceinline__ static void copy8(const float (&in)[kVec], float (&out)[kVec]) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[e] = in[e];
+    }
+};
+
+// The body of every version: Sums and Rows are the version's policies.
+template <int N, int A, bool kActive, typename Sums, template <int, int, bool> class Rows>
 __device__ __forceinline__ void correct_backward(CORRECT_BACKWARD_PARAMS) {
     constexpr int kSums = 1 + 3 * N;
     __shared__ float scratch[32 * kSums];
@@ -52,27 +109,26 @@ __device__ __forceinline__ void correct_backward(CORRECT_BACKWARD_PARAMS) {
 
     extern __shared__ float S[];  // in the layout Sums (altup_rows.cuh)
     clear_weight_sums<N, Sums>(S, slice, hidden);
+    const CorrectTokenRows token_rows{grad_corrected, grad_active, predictions, activated, plane, hidden};
     float dQ = 0.0f;  // thread e < N^2 owns dQ entry e = N*i + l
+    typename Rows<N, A, kActive>::Ahead ahead(slice, token_rows, blockIdx.x, tokens);
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        float g[N][kVec], x[kVec], pred_a[kVec];
-#pragma unroll
-        for (int i = 0; i < N; ++i) slice.load(grad_corrected + i * plane + t * hidden, g[i]);
-        float extra[kVec];
-        if (kActive) slice.load(grad_active + t * hidden, extra);
-        slice.load(activated + t * hidden, x);
-        slice.load(predictions + A * plane + t * hidden, pred_a);
-        if (kActive) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) g[A][e] += extra[e];
-            round_bf16x8(g[A]);
-        }
+        const Rows<N, A, kActive> rows(slice, token_rows, t, ahead);
         float sums[kSums];
-        sums[0] = dot8(x, x);
-        router.project(x, sums + 1);
+        {
+            float x[kVec];
+            rows.x(x);
+            sums[0] = dot8(x, x);
+            router.project(x, sums + 1);
+        }
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            sums[1 + N + i] = dot8(g[i], x);
-            sums[1 + 2 * N + i] = dot8(g[i], pred_a);
+            float g[kVec], x[kVec], pred_a[kVec];
+            rows.g(i, g);
+            rows.x(x);
+            rows.pred_a(pred_a);
+            sums[1 + N + i] = dot8(g, x);
+            sums[1 + 2 * N + i] = dot8(g, pred_a);
         }
         block_sum_spread(sums, scratch);
         const float* Ac = sums + 1;
@@ -95,18 +151,23 @@ __device__ __forceinline__ void correct_backward(CORRECT_BACKWARD_PARAMS) {
         for (int e = 0; e < kVec; ++e) gd[e] = 0.0f;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
+            float g[kVec];
+            rows.g(i, g);
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[i][e], gd[e]);
+            for (int e = 0; e < kVec; ++e) gd[e] = fmaf(k[i], g[e], gd[e]);
         }
 #pragma unroll
         for (int i = 0; i < N; ++i) {
+            float g[kVec];
+            rows.g(i, g);
             if (i == A) {
 #pragma unroll
-                for (int e = 0; e < kVec; ++e) g[i][e] -= gd[e];
+                for (int e = 0; e < kVec; ++e) g[e] -= gd[e];
             }
-            slice.store(grad_predictions + i * plane + t * hidden, g[i]);
+            slice.store(grad_predictions + i * plane + t * hidden, g);
         }
-        float gx[kVec];
+        float x[kVec], gx[kVec];
+        rows.x(x);
         router.input_grad(alpha, beta, x, gx);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) gx[e] += gd[e];

@@ -6,5 +6,5 @@
 
 template <int N, int A, bool kActive>
 __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward_v1(CORRECT_BACKWARD_PARAMS) {
-    correct_backward<N, A, kActive, RowMajorSums>(CORRECT_BACKWARD_ARGS);
+    correct_backward<N, A, kActive, RowMajorSums, UnpackedRows>(CORRECT_BACKWARD_ARGS);
 }

@@ -7,5 +7,5 @@
 
 template <int N, int A, bool kActive>
 __global__ void ROUTED_BACKWARD_BOUNDS altup_correct_backward_v2(CORRECT_BACKWARD_PARAMS) {
-    correct_backward<N, A, kActive, SliceMajorSums>(CORRECT_BACKWARD_ARGS);
+    correct_backward<N, A, kActive, SliceMajorSums, UnpackedRows>(CORRECT_BACKWARD_ARGS);
 }

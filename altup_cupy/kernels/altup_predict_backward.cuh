@@ -48,20 +48,22 @@ struct TokenRows {
 
 // Where the backward keeps a token's rows (the policy Rows): `h(j, out)` and `g(i, out)` give row
 // j of h and row i of g unpacked to fp32, g_A with this token's row of grad_active added. Each is
-// built for token t by Rows(slice, rows, t).
+// built for token t by Rows(slice, rows, t, ahead), where `ahead` (of the policy's type Ahead,
+// made once a block) is what the policy carries from one of the block's tokens to its next.
 //
-// GradRowsReloaded (v1, v2): registers bound the blocks per SM, so a thread holds the N rows of h unpacked and lets
-// the rows of g pass through one at a time: once for the dot products, then once per output row
-// after the block reduction (N + N^2 loads a token). The first pass reads g through L1
-// (`load_reused`), so the later ones hit there instead of going back to memory.
+// GradRowsReloaded (v1, v2): registers bound the blocks per SM, so a thread holds the N rows of h
+// unpacked and lets the rows of g pass through one at a time: once for the dot products, then once
+// per output row after the block reduction (N + N^2 loads a token). The first pass reads g through
+// L1 (`load_reused`), so the later ones hit there instead of going back to memory.
 template <int N, int A, bool kActive>
 struct GradRowsReloaded {
+    using Ahead = NothingAhead;
     float rows_h[N][kVec];
     RowSlice slice;
     const unsigned short* grad_row;  // this token's g_0
     const unsigned short* active_grad_row;
     long long plane;
-    __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const TokenRows& rows, const long long t)
+    __device__ __forceinline__ GradRowsReloaded(const RowSlice& slice, const TokenRows& rows, const long long t, Ahead&)
         : slice(slice), grad_row(rows.g(t, 0)), active_grad_row(kActive ? rows.active_g(t) : nullptr),
           plane(rows.plane) {
 #pragma unroll
@@ -116,8 +118,9 @@ __device__ __forceinline__ void predict_backward(PREDICT_BACKWARD_PARAMS) {
     clear_weight_sums<N, Sums>(S, slice, hidden);
     const TokenRows token_rows{hidden_states, grad_predictions, grad_active, plane, hidden};
     float dP = 0.0f;  // thread e < N^3 owns dP entry e = (N*i + j) * N + l
+    typename Rows<N, A, kActive>::Ahead ahead(slice, token_rows, blockIdx.x, tokens);
     for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const Rows<N, A, kActive> rows(slice, token_rows, t);
+        const Rows<N, A, kActive> rows(slice, token_rows, t, ahead);
         float sums[kSums];
         {
             float ha[kVec];

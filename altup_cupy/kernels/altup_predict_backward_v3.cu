@@ -9,8 +9,9 @@
 // where it is used.
 template <int N, int A, bool kActive>
 struct PackedRows {
+    using Ahead = NothingAhead;
     uint4 rows_h[N], rows_g[N];
-    __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t) {
+    __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t, Ahead&) {
 #pragma unroll
         for (int j = 0; j < N; ++j) {
             rows_h[j] = slice.load_packed(rows.h(t, j));

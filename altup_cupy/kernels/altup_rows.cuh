@@ -156,6 +156,14 @@ struct RouterScalars {
     }
 };
 
+// What a backward's row policy (the template argument Rows of the predict and correct backward)
+// carries from one of the block's tokens to its next, where it loads each token when its turn
+// comes: nothing.
+struct NothingAhead {
+    template <typename TokenRows>
+    __device__ __forceinline__ NothingAhead(const RowSlice&, const TokenRows&, const long long, const long long) {}
+};
+
 // Loads a small bf16 matrix (the coefficient weights, <= 64 entries) into shared memory as fp32.
 __device__ __forceinline__ void load_small_matrix(const unsigned short* src, float* dst, const int count) {
     for (int i = threadIdx.x; i < count; i += blockDim.x) {

@@ -116,9 +116,9 @@ _MAGNITUDE_MATCH_BACKWARD_ARGS = _PTR * 5 + ("i64", "f32", "i64", "i64", "i32", 
 _ROW_MAJOR_FALLBACK = ("the default where slice-major sums would leave one block an SM: N = 4 on GPUs with 100 KiB "
                        "of shared memory an SM (sm_86, sm_89)")
 
-# Each step's versions, oldest first (the header of each .cu says more); the last is the one the
-# operators use (`DEFAULT`), except where `_routed_default` picks an older predict or correct
-# backward for the GPU at hand. Template arguments: the forwards <N, active index>, the routed
+# Each step's versions, oldest first (the header of each .cu says more). The operators use
+# `DEFAULT`'s, or where `_routed_default` picks an older predict or correct backward for the GPU at
+# hand, that one. Template arguments: the forwards <N, active index>, the routed
 # backwards <N, active index, grad_active given>, router_grads and expand_forward <N>, the
 # magnitude-match backward <N, the base row gradient's type>.
 KERNELS = {
@@ -133,7 +133,9 @@ KERNELS = {
                 "weight-gradient sums slice-major: no bank conflict", _slice_major_sums,
                 "teaching step: the sums' layout alone, before v3 packs the token's rows"),
         _kernel(_sources.ALTUP_PREDICT_BACKWARD_V3, _PREDICT_BACKWARD_ARGS,
-                "the token's rows of h and g packed in registers: g read once", _slice_major_sums)),
+                "the token's rows of h and g packed in registers: g read once", _slice_major_sums),
+        _kernel(_sources.ALTUP_PREDICT_BACKWARD_V4, _PREDICT_BACKWARD_ARGS,
+                "the block's next token's rows loaded while this one is worked on", _slice_major_sums)),
     "correct_forward": (
         _kernel(_sources.ALTUP_CORRECT_FORWARD_V1, _PTR * 7 + _FORWARD_TAIL,
                 "one block per token: N predictions and x read once, N rows written once"),),
@@ -142,7 +144,10 @@ KERNELS = {
                 "weight-gradient sums row-major in shared memory (8-way bank conflicts)", _row_major_sums,
                 _ROW_MAJOR_FALLBACK),
         _kernel(_sources.ALTUP_CORRECT_BACKWARD_V2, _CORRECT_BACKWARD_ARGS,
-                "weight-gradient sums slice-major: no bank conflict", _slice_major_sums)),
+                "weight-gradient sums slice-major: no bank conflict", _slice_major_sums),
+        _kernel(_sources.ALTUP_CORRECT_BACKWARD_V3, _CORRECT_BACKWARD_ARGS,
+                "the token's rows packed in registers, the block's next token's loaded while this one is worked on",
+                _slice_major_sums)),
     "router_grads": (
         _kernel(_sources.ALTUP_ROUTER_GRADS_V1, ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr",
                                                  "ptr"),
@@ -157,7 +162,11 @@ KERNELS = {
         _kernel(_sources.ALTUP_MAGNITUDE_MATCH_BACKWARD_V2, _MAGNITUDE_MATCH_BACKWARD_ARGS,
                 "the bf16 rows kept packed in registers: 3 blocks an SM at H = 2048")),
 }
-DEFAULT = {step: len(versions) for step, versions in KERNELS.items()}  # version numbers count from 1
+# The default version of each step (numbers count from 1): the newest, unless a newer one has yet to
+# win a recorded run (tests/test_registry.py holds every registered version to the recorded one).
+# The predict backward's v4 and the correct backward's v3 are new: v3 and v2 stay the defaults until
+# a run of scripts/bench_gemma3n.py shows them faster.
+DEFAULT = {**{step: len(versions) for step, versions in KERNELS.items()}, "predict_backward": 3, "correct_backward": 2}
 
 
 def check_version(step: str, version: int | None) -> int:
@@ -213,11 +222,11 @@ def _backward_blocks(device: int, tokens: int) -> int:
 
 
 def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
-    """The predict or correct backward's default version on `device`: the newest whose shared
-    memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. Slice-major sums take 48 KiB at N = 4,
+    """The predict or correct backward's default version on `device`: the newest up to DEFAULT's
+    whose shared memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. Slice-major sums take 48 KiB at N = 4,
     so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
     available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
-    fitting = [v for v, entry in enumerate(KERNELS[step], 1)
+    fitting = [v for v, entry in enumerate(KERNELS[step][:DEFAULT[step]], 1)
                if entry.weight_sums_bytes(streams, hidden) <= available]
     return max(fitting, default=1)
 
