@@ -37,15 +37,19 @@ def _medians(op: str) -> dict[str, dict[tuple, float]]:
 def test_version_slower_than_the_default_everywhere_says_why_it_stays(op, number):
     version = importlib.import_module(f"altup_cupy.ops.{op}_versions").VERSIONS[number]
     medians = _medians(op)
-    default, own = medians["altup_cupy"], medians.get(f"altup_cupy_v{number}", {})
     # Where the default runs this version it has no line of its own: there it is the default.
-    shared = [w for w in own if w in default]
+    _assert_kept_for_a_reason(f"{op} v{number}", medians.get(f"altup_cupy_v{number}", {}), medians["altup_cupy"],
+                              version.kept_because, "Version.kept_because")
+
+
+def _assert_kept_for_a_reason(what: str, own: dict, default: dict, kept_because: str, field: str) -> None:
+    """A version slower than the default wherever both were recorded states why it stays."""
+    shared = [case for case in own if case in default]
     if not shared:
-        pytest.skip(f"{op} v{number} has no recorded line of its own next to the default")
-    if all(own[w] > default[w] for w in shared):
-        assert version.kept_because, (
-            f"{op} v{number} is slower than the default on all {len(shared)} recorded workloads: "
-            "state why it stays (Version.kept_because) or drop it")
+        pytest.skip(f"{what} has no recorded line of its own next to the default's")
+    if all(own[case] > default[case] for case in shared):
+        assert kept_because, (f"{what} is slower than the default in all {len(shared)} recorded cases: "
+                              f"state why it stays ({field}) or drop it")
 
 
 # ---- Gemma 3n's row kernels (ops/gemma3n_altup_versions.KERNELS) against gemma3n_kernels.csv ----
@@ -77,12 +81,6 @@ def test_gemma3n_version_slower_than_the_default_everywhere_says_why_it_stays(st
     if number == DEFAULT[step]:
         return
     medians = _gemma3n_kernel_medians()
-    # The recorded run's default is the newest version (sm_90 holds two blocks of every version an SM).
-    default, own = medians.get(f"{step}_v{DEFAULT[step]}", {}), medians.get(f"{step}_v{number}", {})
-    shared = [size for size in own if size in default]
-    if not shared:
-        pytest.skip(f"{step} v{number} has no recorded line next to the default's")
-    if all(own[size] > default[size] for size in shared):
-        assert entry.kept_because, (
-            f"{step} v{number} is slower than the default at all {len(shared)} recorded sizes: "
-            "state why it stays (RowKernel.kept_because) or drop it")
+    # The recorded run (an H200, sm_90) ran DEFAULT's version where it is the default.
+    _assert_kept_for_a_reason(f"{step} v{number}", medians.get(f"{step}_v{number}", {}),
+                              medians.get(f"{step}_v{DEFAULT[step]}", {}), entry.kept_because, "RowKernel.kept_because")

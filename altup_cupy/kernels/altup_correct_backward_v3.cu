@@ -13,19 +13,10 @@
 
 template <int N, int A, bool kActive>
 struct PrefetchedRows {
-    // The block's next token's rows, packed as loaded, and its row of grad_active (where kActive).
-    struct Ahead {
+    // A token's rows packed as loaded, and its row of grad_active (where kActive), added when taken.
+    struct Loaded {
         uint4 g[N], x, pred_a, active_g;
-        const RowSlice& slice;
-        const CorrectTokenRows& rows;
-        const long long tokens;
-        __device__ __forceinline__ Ahead(const RowSlice& slice, const CorrectTokenRows& rows, const long long t,
-                                         const long long tokens)
-            : slice(slice), rows(rows), tokens(tokens) {
-            load(t);
-        }
-        __device__ __forceinline__ void load(const long long t) {
-            if (t >= tokens) return;  // the block's last token: nothing comes after it
+        __device__ __forceinline__ void load(const RowSlice& slice, const CorrectTokenRows& rows, const long long t) {
 #pragma unroll
             for (int i = 0; i < N; ++i) g[i] = slice.load_packed(rows.g(t, i));
             if (kActive) active_g = slice.load_packed(rows.active_g(t));
@@ -33,16 +24,17 @@ struct PrefetchedRows {
             pred_a = slice.load_packed(rows.pred_a(t, A));
         }
     };
+    using Ahead = RowsAhead<Loaded, CorrectTokenRows>;
 
     uint4 rows_g[N], row_x, row_pred_a;
     // Token t's rows, loaded one iteration earlier; then the loads of the block's token after t.
     __device__ __forceinline__ PrefetchedRows(const RowSlice&, const CorrectTokenRows&, const long long t,
                                               Ahead& ahead) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) rows_g[i] = ahead.g[i];
-        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], ahead.active_g);
-        row_x = ahead.x;
-        row_pred_a = ahead.pred_a;
+        for (int i = 0; i < N; ++i) rows_g[i] = ahead.next.g[i];
+        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], ahead.next.active_g);
+        row_x = ahead.next.x;
+        row_pred_a = ahead.next.pred_a;
         ahead.load(t + gridDim.x);
     }
     __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { unpack_bf16x8(rows_g[i], out); }

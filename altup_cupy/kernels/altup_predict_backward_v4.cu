@@ -14,19 +14,10 @@
 
 template <int N, int A, bool kActive>
 struct PrefetchedRows {
-    // The block's next token's rows, packed as loaded, and its row of grad_active (where kActive).
-    struct Ahead {
+    // A token's rows packed as loaded, and its row of grad_active (where kActive), added when taken.
+    struct Loaded {
         uint4 h[N], g[N], active_g;
-        const RowSlice& slice;
-        const TokenRows& rows;
-        const long long tokens;
-        __device__ __forceinline__ Ahead(const RowSlice& slice, const TokenRows& rows, const long long t,
-                                         const long long tokens)
-            : slice(slice), rows(rows), tokens(tokens) {
-            load(t);
-        }
-        __device__ __forceinline__ void load(const long long t) {
-            if (t >= tokens) return;  // the block's last token: nothing comes after it
+        __device__ __forceinline__ void load(const RowSlice& slice, const TokenRows& rows, const long long t) {
 #pragma unroll
             for (int j = 0; j < N; ++j) {
                 h[j] = slice.load_packed(rows.h(t, j));
@@ -35,16 +26,17 @@ struct PrefetchedRows {
             if (kActive) active_g = slice.load_packed(rows.active_g(t));
         }
     };
+    using Ahead = RowsAhead<Loaded, TokenRows>;
 
     uint4 rows_h[N], rows_g[N];
     // Token t's rows, loaded one iteration earlier; then the loads of the block's token after t.
     __device__ __forceinline__ PrefetchedRows(const RowSlice&, const TokenRows&, const long long t, Ahead& ahead) {
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-            rows_h[j] = ahead.h[j];
-            rows_g[j] = ahead.g[j];
+            rows_h[j] = ahead.next.h[j];
+            rows_g[j] = ahead.next.g[j];
         }
-        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], ahead.active_g);
+        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], ahead.next.active_g);
         ahead.load(t + gridDim.x);
     }
     __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }

@@ -164,6 +164,25 @@ struct NothingAhead {
     __device__ __forceinline__ NothingAhead(const RowSlice&, const TokenRows&, const long long, const long long) {}
 };
 
+// What a row policy that loads the block's next token while it works on this one carries: the next
+// token's rows, as `Rows` (a struct with `load(slice, rows, t)`) holds them, loaded by `load(t)`
+// (nothing past the last token).
+template <typename Rows, typename TokenRows>
+struct RowsAhead {
+    Rows next;
+    const RowSlice& slice;
+    const TokenRows& rows;
+    const long long tokens;
+    __device__ __forceinline__ RowsAhead(const RowSlice& slice, const TokenRows& rows, const long long t,
+                                         const long long tokens)
+        : slice(slice), rows(rows), tokens(tokens) {
+        load(t);
+    }
+    __device__ __forceinline__ void load(const long long t) {
+        if (t < tokens) next.load(slice, rows, t);
+    }
+};
+
 // Loads a small bf16 matrix (the coefficient weights, <= 64 entries) into shared memory as fp32.
 __device__ __forceinline__ void load_small_matrix(const unsigned short* src, float* dst, const int count) {
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
