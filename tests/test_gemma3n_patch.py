@@ -280,8 +280,11 @@ def test_router_norm_epsilon_reaches_the_operators(seeds, eps):
     ids = torch.randint(3, 64, (2, 7))
     assert gemma3n._router_eps(patched.layers[0].altup) == eps
     with torch.no_grad():
-        torch.testing.assert_close(patched(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
-                                   **FP32_TOL)
+        # Normwise: the router weights of std 4 amplify the two fp32 evaluation orders' rounding in
+        # single elements (base seed 33: 3.3e-5, outputs up to 0.76); an eps of 1e-6 where 0.5 is
+        # right moves them by 0.82.
+        _assert_close_normwise(patched(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
+                               "last_hidden_state")
 
 
 def _graph_breaks(model, ids):
