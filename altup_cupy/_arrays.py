@@ -57,30 +57,33 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int | None],
                  dims: str) -> None:
-    """dtype, rank, extents (None: any) and contiguity of one tensor. `dims` names the axes
-    ("N B S H"), so a wrong rank says which layout was expected. The common case (all fine, no
-    wildcard) costs two comparisons; the messages are built only on failure."""
+    """dtype, rank, extents and contiguity of one tensor (`check_shape` says how `shape` reads).
+    The common case (all fine) costs a few comparisons and no call; the messages are built only on
+    failure (it runs on every call of the ops' fast paths)."""
     if t.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
-    check_shape(name, t, shape, dims)
-    check_contiguous(name, t)
+    if (t.dim() != len(shape)) if None in shape else (t.shape != shape):  # check_shape's test, inlined
+        _shape_error(name, t, shape, dims)
+    if not t.is_contiguous():
+        _not_contiguous(name)
 
 
 def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None], dims: str) -> None:
-    """Rank and extents (None: any) of one tensor; `dims` names the axes."""
-    if None in shape:
-        if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
-            _shape_error(name, t, shape, dims)
-    elif t.shape != shape:
+    """The extents `shape`; a shape holding None (any extent) checks the rank alone, so the
+    callers' wildcard shapes are all None. `dims` names the axes ("N B S H"), so a wrong rank says
+    which layout was expected."""
+    if (t.dim() != len(shape)) if None in shape else (t.shape != shape):
         _shape_error(name, t, shape, dims)
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
-        raise ValueError(
-            f"{name} must be C-contiguous (a non-contiguous view would be read wrongly); "
-            "pass x.contiguous() (torch) or cupy.ascontiguousarray(x)"
-        )
+        _not_contiguous(name)
+
+
+def _not_contiguous(name: str):
+    raise ValueError(f"{name} must be C-contiguous (a non-contiguous view would be read wrongly); "
+                     "pass x.contiguous() (torch) or cupy.ascontiguousarray(x)")
 
 
 def _shape_error(name: str, t: torch.Tensor, shape: Sequence[int | None], dims: str):
