@@ -24,6 +24,11 @@ replacements on the modules of one instance:
 
 Where the kernels do not serve a call (not CUDA, not bfloat16, N outside 2..4, H % 8 != 0 or
 H > 3072), the call warns once and runs transformers' own code: never a wrong answer.
+Under torch.compile, a call of fewer than `compiled_min_tokens` tokens (default
+COMPILED_MIN_TOKENS) also runs transformers' code, without a warning: there a compiled step waits on
+the host, not the GPU, and Inductor's fused kernels cost the host less per step than the package's
+operator calls (their kernels are faster; results/nvidia-h200/NOTES.md has the measurements).
+`patch(compiled_min_tokens=0)` serves every compiled call. Eager calls are always served.
 `patch(serve_cpu=True)` sends CPU tensors through the operators' CPU reference instead (for testing
 the integration without a GPU) where they share one dtype it takes (bfloat16, float32 or float64)
 and have a shape the kernels serve; `patch(model, serve_cpu=...)` sets it for that model alone.
@@ -47,8 +52,13 @@ _MODELING = "transformers.models.gemma3n.modeling_gemma3n"
 _PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextModel": ("forward",),
                        "Gemma3nTextDecoderLayer": ("forward",)}
 _originals: dict[tuple[type, str], object] = {}  # (class, attribute) -> transformers' function
-_settings = {"serve_cpu": False}  # of the class patch; an instance patch sets its modules' own
-_SERVE_CPU = "_altup_cupy_serve_cpu"  # the attribute an instance patch sets on each module it patches
+# Below this many tokens a compiled call is host-bound and transformers' code, fused by Inductor, is faster
+# in wall time (NOTES.md of the whole-model runs: the crossover lies between 1 x 256 and 1 x 4096).
+COMPILED_MIN_TOKENS = 2048
+_settings = {"serve_cpu": False, "compiled_min_tokens": COMPILED_MIN_TOKENS}  # of the class patch
+# The attributes an instance patch sets on each module it patches (its own settings)
+_SERVE_CPU = "_altup_cupy_serve_cpu"
+_COMPILED_MIN_TOKENS = "_altup_cupy_compiled_min_tokens"
 
 
 def _modeling():
@@ -69,6 +79,20 @@ def _dtypes(tensors) -> list[str]:
 
 def _serves_cpu(module) -> bool:
     return module.__dict__.get(_SERVE_CPU, _settings["serve_cpu"])
+
+
+def _left_to_inductor(module, tokens) -> bool:
+    """Whether this call, of `tokens` tokens, runs transformers' code because it is being compiled
+    and is too small for the operators to pay for their host cost (COMPILED_MIN_TOKENS). A symbolic
+    token count adds a guard: a compiled graph serves one side of the threshold."""
+    if not torch.compiler.is_compiling():
+        return False
+    return tokens < module.__dict__.get(_COMPILED_MIN_TOKENS, _settings["compiled_min_tokens"])
+
+
+def _rows(streams: torch.Tensor) -> int:
+    """Tokens of AltUp's streams [N, B, S, H]: B x S."""
+    return streams[0].numel() // streams.shape[-1]
 
 
 def _unserved(module, what: str, tensors, streams: int, hidden: int) -> str | None:
@@ -145,16 +169,18 @@ def _correct_arguments(self, predictions: torch.Tensor, activated: torch.Tensor)
 
 
 def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if _unserved(self, "AltUp predict", (hidden_states, *_predict_weights(self)), self.config.altup_num_inputs,
-                 hidden_states.shape[-1]):
+    if _left_to_inductor(self, _rows(hidden_states)) or _unserved(
+            self, "AltUp predict", (hidden_states, *_predict_weights(self)), self.config.altup_num_inputs,
+            hidden_states.shape[-1]):
         return _original(type(self), "predict")(self, hidden_states)
     return altup.predict(*_predict_arguments(self, hidden_states))
 
 
 def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
     weights = (self.correction_coefs.weight, self.modality_router.weight, self.router_norm.weight)
-    if _unserved(self, "AltUp correct", (predictions, activated, *weights), self.config.altup_num_inputs,
-                 activated.shape[-1]):
+    if _left_to_inductor(self, _rows(predictions)) or _unserved(
+            self, "AltUp correct", (predictions, activated, *weights), self.config.altup_num_inputs,
+            activated.shape[-1]):
         return _original(type(self), "correct")(self, predictions, activated)
     return altup.correct(*_correct_arguments(self, predictions, activated))
 
@@ -183,8 +209,9 @@ def _layer_forward(modeling):
         return None
 
     def forward(self, hidden_states, *args, **kwargs):
-        if _unserved(self, "AltUp predict/correct", (hidden_states, *_predict_weights(self.altup)),
-                     self.config.altup_num_inputs, hidden_states.shape[-1]):
+        if _left_to_inductor(self, _rows(hidden_states)) or _unserved(
+                self, "AltUp predict/correct", (hidden_states, *_predict_weights(self.altup)),
+                self.config.altup_num_inputs, hidden_states.shape[-1]):
             return original(self, hidden_states, *args, **kwargs)
         return patched(self, hidden_states, *args, **kwargs)
 
@@ -216,14 +243,26 @@ def _model_forward(modeling):
     def forward(self, *args, **kwargs):
         # the first matrix of each (a model of one stream has none: cuda_serves refuses it first)
         probe = [p.weight for p in (*self.altup_projections[:1], *self.altup_unembed_projections[:1])]
-        if isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
-            probe.append(kwargs["inputs_embeds"])
-        if _unserved(self, "AltUp expansion/collapse", probe, self.config.altup_num_inputs, self.config.hidden_size):
+        embeddings = kwargs.get("inputs_embeds")
+        if isinstance(embeddings, torch.Tensor):
+            probe.append(embeddings)
+        if _left_to_inductor(self, _tokens(args, kwargs)) or _unserved(
+                self, "AltUp expansion/collapse", probe, self.config.altup_num_inputs, self.config.hidden_size):
             return original(self, *args, **kwargs)
         return patched(self, *args, **kwargs)
 
     forward.__doc__, forward.__wrapped__ = original.__doc__, original
     return forward
+
+
+def _tokens(args, kwargs) -> int:
+    """Batch x sequence of a Gemma3nTextModel.forward call: input_ids (the first positional argument)
+    [B, S] or inputs_embeds [B, S, H]."""
+    ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else (args[0] if args else None)
+    if isinstance(ids, torch.Tensor):
+        return ids.numel()
+    embeddings = kwargs.get("inputs_embeds")
+    return embeddings[..., 0].numel() if isinstance(embeddings, torch.Tensor) else 0
 
 
 def _replacements(modeling) -> dict[tuple[type, str], object]:
@@ -238,12 +277,17 @@ def _replacements(modeling) -> dict[tuple[type, str], object]:
     return replacements
 
 
-def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False) -> None:
-    """Route Gemma 3n's AltUp through altup_cupy: every model (model None) or this one instance."""
+def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False,
+          compiled_min_tokens: int = COMPILED_MIN_TOKENS) -> None:
+    """Route Gemma 3n's AltUp through altup_cupy: every model (model None) or this one instance.
+    Compiled calls of fewer than `compiled_min_tokens` tokens keep transformers' code (module
+    docstring); 0 serves them all."""
+    if isinstance(compiled_min_tokens, bool) or not isinstance(compiled_min_tokens, int) or compiled_min_tokens < 0:
+        raise ValueError(f"compiled_min_tokens must be an int >= 0, got {compiled_min_tokens!r}")
     modeling = _modeling()
     replacements = _replacements(modeling)
     if model is None:
-        _settings["serve_cpu"] = serve_cpu
+        _settings.update(serve_cpu=serve_cpu, compiled_min_tokens=compiled_min_tokens)
         for (cls, name), function in replacements.items():
             _originals.setdefault((cls, name), cls.__dict__[name])
             setattr(cls, name, function)
@@ -256,6 +300,7 @@ def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False) -> N
             if isinstance(module, cls):
                 setattr(module, name, MethodType(function, module))
                 module.__dict__[_SERVE_CPU] = serve_cpu
+                module.__dict__[_COMPILED_MIN_TOKENS] = compiled_min_tokens
                 found = True
     if not found:
         raise ValueError(f"model has no Gemma3nTextAltUp, Gemma3nTextDecoderLayer or Gemma3nTextModel module: "
@@ -269,7 +314,7 @@ def unpatch(model: torch.nn.Module | None = None) -> None:
         for (cls, name), function in list(_originals.items()):
             setattr(cls, name, function)
             del _originals[(cls, name)]
-        _settings["serve_cpu"] = False
+        _settings.update(serve_cpu=False, compiled_min_tokens=COMPILED_MIN_TOKENS)
         return
     for module in model.modules():
         for class_name, names in _PATCHED_ATTRIBUTES.items():
@@ -277,3 +322,4 @@ def unpatch(model: torch.nn.Module | None = None) -> None:
                 for name in names:
                     module.__dict__.pop(name, None)
                 module.__dict__.pop(_SERVE_CPU, None)
+                module.__dict__.pop(_COMPILED_MIN_TOKENS, None)

@@ -299,7 +299,7 @@ def test_torch_compile_adds_no_graph_break_and_matches_eager(seeds):
     not have, none inside altup_cupy, and the same loss gradients as the patched model in eager."""
     model = _model(seeds()).train()
     patched = copy.deepcopy(model)
-    gemma3n.patch(patched, serve_cpu=True)
+    gemma3n.patch(patched, serve_cpu=True, compiled_min_tokens=0)  # 18 tokens: compiled on the operators
     ids = torch.randint(3, 64, (2, 9))
     breaks, _ = _graph_breaks(model, ids)
     patched_breaks, reasons = _graph_breaks(patched, ids)
@@ -315,6 +315,55 @@ def test_torch_compile_adds_no_graph_break_and_matches_eager(seeds):
     assert compiled_grads.keys() == eager_grads.keys()
     for name, g in compiled_grads.items():
         _assert_close_normwise(g, eager_grads[name], name)
+
+
+def _compiled_operators(model, ids) -> set[str]:
+    """The altup_cupy operators in the graphs torch.compile captures of one call of `model`."""
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(input_ids=ids)
+    torch._dynamo.reset()
+    return {str(node.target) for g in graphs for node in g.graph.nodes
+            if node.op == "call_function" and "altup_cupy" in str(node.target)}
+
+
+@pytest.mark.parametrize("class_patch", (False, True))
+@pytest.mark.parametrize("threshold", (0, 18, 19))
+def test_compiled_calls_below_the_threshold_run_transformers_code(seeds, class_patch, threshold):
+    """Under torch.compile a call of fewer than compiled_min_tokens tokens captures transformers'
+    code (no altup_cupy operator in the graph); at the threshold and above, every operator. Eager
+    calls are served whatever the threshold."""
+    model = _model(seeds()).train()
+    ids = torch.randint(3, 64, (2, 9))  # 18 tokens
+    if class_patch:
+        gemma3n.patch(serve_cpu=True, compiled_min_tokens=threshold)
+    else:
+        gemma3n.patch(model, serve_cpu=True, compiled_min_tokens=threshold)
+    operators = _compiled_operators(model, ids)
+    if threshold > 18:
+        assert operators == set()
+    else:
+        names = {name.split(".")[1] for name in operators}
+        assert {"expand", "collapse"} <= names and any("predict" in n for n in names), operators
+        assert any("correct" in n for n in names), operators
+
+
+def test_eager_calls_are_served_whatever_the_threshold(seeds, op_calls):
+    model = _model(seeds()).train()
+    gemma3n.patch(model, serve_cpu=True, compiled_min_tokens=10 ** 9)
+    model(input_ids=torch.randint(3, 64, (2, 9)))
+    assert op_calls == {"predict": 2, "correct": 2, "expand": 1, "collapse": 1}
+
+
+@pytest.mark.parametrize("threshold", (-1, 1.5, True))
+def test_patch_refuses_a_bad_threshold(threshold):
+    with pytest.raises(ValueError, match="compiled_min_tokens must be an int >= 0"):
+        gemma3n.patch(compiled_min_tokens=threshold)
 
 
 def test_patch_refuses_other_models():

@@ -135,10 +135,11 @@ def text_config(name: str):
 
 
 def build_model(name: str, *, patched: bool, device: str | torch.device = "cuda", dtype: torch.dtype | None = None,
-                seed: int = 0) -> torch.nn.Module:
+                seed: int = 0, compiled_min_tokens: int | None = None) -> torch.nn.Module:
     """A Gemma3nForCausalLM of config `name` with random weights, built on `device` (bf16 on CUDA,
     float32 on the CPU unless `dtype`), patched by altup_cupy or not. The same seed gives the same
-    weights whether patched or not: the patch rebinds methods and touches no parameter."""
+    weights whether patched or not: the patch rebinds methods and touches no parameter.
+    `compiled_min_tokens` (None: the patch's default) is passed to `altup_cupy.gemma3n.patch`."""
     from transformers import Gemma3nForCausalLM
 
     device = torch.device(device)
@@ -156,7 +157,8 @@ def build_model(name: str, *, patched: bool, device: str | torch.device = "cuda"
     if patched:
         from .. import gemma3n
 
-        gemma3n.patch(model, serve_cpu=device.type == "cpu")
+        threshold = {} if compiled_min_tokens is None else {"compiled_min_tokens": compiled_min_tokens}
+        gemma3n.patch(model, serve_cpu=device.type == "cpu", **threshold)
     return model
 
 
@@ -505,12 +507,14 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(case: Case, *, device: str, reps: int, warmup: int, regional: bool, seed: int) -> Measurement:
+def run_case(case: Case, *, device: str, reps: int, warmup: int, regional: bool, seed: int,
+             compiled_min_tokens: int | None = None) -> Measurement:
     """Build the case's model, measure it, drop it. A patched case in which altup_cupy warns that it
     falls back to transformers' code raises instead: that row would be an unpatched one."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="altup_cupy.gemma3n")
-        model = build_model(case.config, patched=bool(case.patched), device=device, seed=seed)
+        model = build_model(case.config, patched=bool(case.patched), device=device, seed=seed,
+                            compiled_min_tokens=compiled_min_tokens)
         try:
             return measure(model, case.task, case.mode, case.batch, case.seq, reps=reps, warmup=warmup,
                            regional=regional, seed=seed)
@@ -561,6 +565,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="untimed steps first (they compile and record CUDA graphs)")
     parser.add_argument("--regional", action="store_true",
                         help="compile each decoder layer (layer.compile()) instead of the whole model")
+    parser.add_argument("--compiled-min-tokens", type=int, default=None,
+                        help="the patch's compiled_min_tokens (default: altup_cupy.gemma3n.COMPILED_MIN_TOKENS; "
+                             "0 runs the operators in every compiled case: write those rows to another --out)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, default=None,
                         help="the CSV to append to (default: results/<gpu>/gemma3n_model.csv under the current "
@@ -575,6 +582,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reps < 1 or args.warmup < 0:
         parser.error("--reps must be >= 1 and --warmup >= 0")
+    if args.compiled_min_tokens is not None and args.compiled_min_tokens < 0:
+        parser.error("--compiled-min-tokens must be >= 0")
     return args
 
 
@@ -628,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.monotonic()
         try:
             m = run_case(case, device=args.device, reps=args.reps, warmup=args.warmup, regional=args.regional,
-                         seed=args.seed)
+                         seed=args.seed, compiled_min_tokens=args.compiled_min_tokens)
         except Exception as error:  # noqa: BLE001  (out of memory, a compile error: the other cases still run)
             failed.append(label)
             bar.write(f"FAILED {label}: {type(error).__name__}: {str(error)[:500]}")
