@@ -162,7 +162,26 @@ def decoder_layer_forward(installed: Callable, predict: Callable, correct: Calla
         first_prediction = torch.multiply(first_prediction, per_layer_input)
         first_prediction = self.per_layer_projection(first_prediction)
         first_prediction = self.post_per_layer_input_norm(first_prediction)
-        corrected_predictions[1:] += first_prediction
-        return corrected_predictions
+        return AddToLaterStreams.apply(corrected_predictions, first_prediction)
 
     return forward
+
+
+class AddToLaterStreams(torch.autograd.Function):
+    """`streams[1:] += update` (the decoder layer's last step), in place, with its backward written
+    out: the streams' gradient passes on as it is and the update's is its sum over streams 1..N-1.
+    Autograd's own backward of an in-place add into a slice (CopySlices in eager, a chain of
+    slice_scatter under torch.compile) writes the whole [N, B, S, H] gradient once more per layer
+    before the correct backward reads it."""
+
+    @staticmethod
+    def forward(ctx, streams: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        streams[1:] += update
+        ctx.mark_dirty(streams)
+        ctx.update_shape = update.shape
+        return streams
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_update = grad[1:].sum_to_size(ctx.update_shape) if ctx.needs_input_grad[1] else None
+        return grad, grad_update
