@@ -53,7 +53,8 @@ _PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextM
                        "Gemma3nTextDecoderLayer": ("forward",)}
 _originals: dict[tuple[type, str], object] = {}  # (class, attribute) -> transformers' function
 # Below this many tokens a compiled call is host-bound and transformers' code, fused by Inductor, is faster
-# in wall time (NOTES.md of the whole-model runs: the crossover lies between 1 x 256 and 1 x 4096).
+# in wall time. The whole-model runs (NOTES.md) put the crossover between 1 x 256, where the operators lost
+# under torch.compile, and 1 x 4096, where they won; 2048 lies between, it is not a measured crossover.
 COMPILED_MIN_TOKENS = 2048
 _settings = {"serve_cpu": False, "compiled_min_tokens": COMPILED_MIN_TOKENS}  # of the class patch
 # The attributes an instance patch sets on each module it patches (its own settings)
