@@ -92,8 +92,8 @@ def _left_to_inductor(module, tokens) -> bool:
 
 
 def _rows(streams: torch.Tensor) -> int:
-    """Tokens of AltUp's streams [N, B, S, H]: B x S."""
-    return streams[0].numel() // streams.shape[-1]
+    """Tokens of AltUp's streams [N, B, S, H]: B x S (from sizes alone: no view made on the eager path)."""
+    return streams.numel() // (streams.shape[0] * streams.shape[-1])
 
 
 def _unserved(module, what: str, tensors, streams: int, hidden: int) -> str | None:
