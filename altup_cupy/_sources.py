@@ -49,12 +49,18 @@ def v3_variants(streams: int) -> tuple[tuple[int, int], ...]:
     return tuple(v for v in V3_VARIANTS if not (streams == 4 and v == (1, 1)))
 V3_TWO_BLOCK_THREADS = 320
 V3_ONE_BLOCK_THREADS = 512
-# v4: one slice per compute thread plus the scalar warp (H <= 2560), at most V4_MAX_STAGES ring
-# stages; V4_STATIC_SHARED_BOUND bounds its static shared memory (V4Shared<N> and the stage
-# barriers: 5.4 KiB for N = 4) so the host can decide without a GPU whether a ring fits.
+# The ring kernels (v4, v6): at most RING_MAX_STAGES ring stages. v4: one 8-element slice per
+# compute thread plus the scalar warp (H <= 2560); v6: one 4-element half slice per compute thread
+# (H <= 2432 in V6_MAX_THREADS: 20 warps, 5 a scheduler, 96 registers a thread). The static-shared
+# bounds (RingShared<N, columns> and the stage barriers: 5.4 KiB for v4 at N = 4, 4.1 KiB for v6
+# at N = 3) let the host decide without a GPU whether a ring fits.
+RING_MAX_STAGES = 6
 V4_MAX_THREADS = 352
-V4_MAX_STAGES = 6
 V4_STATIC_SHARED_BOUND = 6 * 1024
+V6_MAX_THREADS = 640
+V6_STATIC_SHARED_BOUND = 5 * 1024
+# At N = 4 v6 spills under its 96-register cap (the scalar phase's N x N matrices): N = 4 runs v4.
+V6_STREAMS = (2, 3)
 
 
 def token_stats_size(streams: int) -> int:
@@ -154,8 +160,15 @@ PREDICT_CORRECT_BACKWARD_V4 = KernelSource(
     "predict_correct_backward_v4.cu",
     tuple(f"predict_correct_backward_v4<{n}, {a}>" for n in SUPPORTED_STREAMS for a in range(n)),
     min_arch=90,
-    defines={"V4_MAX_THREADS": V4_MAX_THREADS, "V4_MAX_STAGES": V4_MAX_STAGES,
+    defines={"V4_MAX_THREADS": V4_MAX_THREADS, "RING_MAX_STAGES": RING_MAX_STAGES,
              "V4_STATIC_SHARED_BOUND": V4_STATIC_SHARED_BOUND, **_PARTIALS},
+)
+PREDICT_CORRECT_BACKWARD_V6 = KernelSource(
+    "predict_correct_backward_v6.cu",
+    tuple(f"predict_correct_backward_v6<{n}, {a}>" for n in V6_STREAMS for a in range(n)),
+    min_arch=90,
+    defines={"V6_MAX_THREADS": V6_MAX_THREADS, "RING_MAX_STAGES": RING_MAX_STAGES,
+             "V6_STATIC_SHARED_BOUND": V6_STATIC_SHARED_BOUND, **_PARTIALS},
 )
 
 # ---- Gemma 3n's AltUp steps (altup_cupy.torch, altup_cupy.gemma3n) ----------------------------
@@ -213,6 +226,7 @@ ALL_SOURCES = (
     PREDICT_CORRECT_BACKWARD_V2,
     PREDICT_CORRECT_BACKWARD_V3,
     PREDICT_CORRECT_BACKWARD_V4,
+    PREDICT_CORRECT_BACKWARD_V6,
     ALTUP_PREDICT_FORWARD_V1,
     ALTUP_PREDICT_BACKWARD_V1,
     ALTUP_PREDICT_BACKWARD_V2,

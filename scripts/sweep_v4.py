@@ -1,5 +1,6 @@
-"""Tuning sweep of the backward's v4 launch plan on the GPU: every ring-stage count that fits,
-on workloads spanning the token counts of both suites, beside v3 and the copy floor.
+"""Tuning sweep of the backward's ring kernels (v4, and v6 where it applies) on the GPU: every
+ring-stage count that fits, on workloads spanning the token counts of both suites, beside v3 and
+the copy floor.
 
 Each plan is first checked against the float64 reference under the benchmark's rule (all six
 outputs), then timed by the benchmark's own method (bench.time_us: L2 flushed before each call,
@@ -25,7 +26,8 @@ from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES
 from altup_cupy.lab.benchmarks.predict_correct_backward import PREDICT_CORRECT_BACKWARD as BENCH
 from altup_cupy.lab.workloads import tolerance_report, workloads
 from altup_cupy.ops.predict_correct_backward import run_plan
-from altup_cupy.ops.predict_correct_backward_versions import v4_launch_plan, v4_plan, v4_stage_choices
+from altup_cupy.ops.predict_correct_backward_versions import (V4_RING, V6_RING, ring_plan, ring_stage_choices,
+                                                              v4_launch_plan)
 
 TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite
 
@@ -50,12 +52,13 @@ def main() -> int:
         args_ = [inputs[k] for k in ARG_NAMES]
         a, eps = inputs["active_idx"], inputs["eps"]
         default = v4_launch_plan(w.streams, w.hidden)
-        candidates = [("v4", stages) for stages in v4_stage_choices(w.streams, w.hidden)] + [("v3", None)]
-        for name, plan in candidates:
-            def call(plan=plan):
-                if plan is None:
+        candidates = [(name, ring, stages) for name, ring in (("v4", V4_RING), ("v6", V6_RING))
+                      for stages in ring_stage_choices(ring, w.streams, w.hidden)] + [("v3", None, None)]
+        for name, ring, plan in candidates:
+            def call(ring=ring, plan=plan):
+                if ring is None:
                     return tuple(predict_correct_backward(*args_, a, eps, version=3))
-                return tuple(run_plan(functools.partial(v4_plan, stages=plan), args_, a, eps))
+                return tuple(run_plan(functools.partial(ring_plan, ring, stages=plan), args_, a, eps))
             outputs = call()
             torch.cuda.synchronize()
             reports = [tolerance_report(o, r, w.atol, w.rtol) for o, r in zip(outputs, reference)]
@@ -64,11 +67,11 @@ def main() -> int:
             rows.append({
                 "workload": w.label, "N": w.streams, "H": w.hidden, "tokens": w.tokens,
                 "impl": name, "stages": plan or "",
-                "default": plan == default, "median_us": round(statistics.median(times), 2),
+                "default": name == "v4" and plan == default, "median_us": round(statistics.median(times), 2),
                 "passed": all(r.passed for r in reports),
                 "worst_rel_l2": f"{max(r.rel_l2 for r in reports):.3e}", **info,
             })
-            print(f"{w.label:22s} {name} stages={plan} default={plan == default} "
+            print(f"{w.label:22s} {name} stages={plan} default={rows[-1]['default']} "
                   f"{rows[-1]['median_us']:9.2f} us passed={rows[-1]['passed']} rel_l2<={rows[-1]['worst_rel_l2']}",
                   flush=True)
         copy = next(impl for impl in BENCH.impls(w) if impl.name == "copy_floor").prepare(inputs)

@@ -12,7 +12,8 @@ from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES, eager_
 from altup_cupy.lab.check import oracle_bound
 from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
 from altup_cupy.ops.predict_correct_backward import run_plan
-from altup_cupy.ops.predict_correct_backward_versions import VERSIONS, v4_plan, v4_stage_choices, v4_supported
+from altup_cupy.ops.predict_correct_backward_versions import (V4_RING, V6_RING, VERSIONS, ring_plan,
+                                                              ring_stage_choices)
 from altup_cupy.reference import predict_correct_backward_reference
 
 pytestmark = pytest.mark.gpu
@@ -83,12 +84,15 @@ def test_active_idx(a, version, seeds):
     check_against_reference(w, inputs, out)
 
 
-def _v4_refuses(n, h, version, inputs, a):
-    """A version asked for a shape it does not serve (v4 where its shared-memory ring does not
-    fit): a clear ValueError, not a launch."""
+RINGS = {4: V4_RING, 6: V6_RING}
+
+
+def _ring_refuses(n, h, version, inputs, a):
+    """A version asked for a shape it does not serve (a ring kernel where its shared-memory ring or
+    its slices per thread do not fit, or an N it is not built for): a clear ValueError, not a launch."""
     if VERSIONS[version].supports(n, h):
         return False
-    assert version == 4 and not v4_supported(n, h), (version, n, h)
+    assert version in RINGS, (version, n, h)
     with pytest.raises(ValueError, match=f"version {version} does not serve N = {n}, H = {h}"):
         predict_correct_backward(*_args(inputs), a, inputs["eps"], version=version)
     return True
@@ -100,23 +104,25 @@ def _v4_refuses(n, h, version, inputs, a):
 def test_streams_and_hidden(n, h, version, seeds):
     w = _small(n, h, 2, 300, a=n - 1)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
-    if _v4_refuses(n, h, version, inputs, n - 1):
+    if _ring_refuses(n, h, version, inputs, n - 1):
         return
     out = predict_correct_backward(*_args(inputs), n - 1, inputs["eps"], version=version)
     check_against_reference(w, inputs, out)
 
 
-V4_PLAN_CASES = [(n, h, stages) for n, h in [(3, 2304), (4, 2048), (4, 2560), (2, 1024)]
-                 for stages in v4_stage_choices(n, h)]
+RING_PLAN_CASES = [(version, n, h, stages) for version, ring in RINGS.items()
+                   for n, h in [(3, 2304), (4, 2048), (4, 2560), (2, 1024), (3, 2432)]
+                   for stages in ring_stage_choices(ring, n, h)]
 
 
-@pytest.mark.parametrize("n,h,stages", V4_PLAN_CASES, ids=[f"N{n}-H{h}-{s}stages" for n, h, s in V4_PLAN_CASES])
-def test_v4_every_stage_count(n, h, stages, seeds):
+@pytest.mark.parametrize("version,n,h,stages", RING_PLAN_CASES,
+                         ids=[f"v{v}-N{n}-H{h}-{s}stages" for v, n, h, s in RING_PLAN_CASES])
+def test_ring_every_stage_count(version, n, h, stages, seeds):
     """Every ring-stage count that fits, on enough tokens that each block's ring wraps several
     times (both mbarrier phases), with a ragged last round of tokens."""
     w = _small(n, h, 7, 311, a=1)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
-    out = run_plan(functools.partial(v4_plan, stages=stages), _args(inputs), 1, inputs["eps"])
+    out = run_plan(functools.partial(ring_plan, RINGS[version], stages=stages), _args(inputs), 1, inputs["eps"])
     check_against_reference(w, inputs, out)
 
 
@@ -134,7 +140,7 @@ def test_one_token(n, h, version, seeds):
 def test_versions_agree_and_are_deterministic(n, h, version, seeds):
     w = _small(n, h, 8, 373)
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
-    if _v4_refuses(n, h, version, inputs, 0):
+    if _ring_refuses(n, h, version, inputs, 0):
         return
     first = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)
     again = predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)

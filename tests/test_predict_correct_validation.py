@@ -8,7 +8,8 @@ import torch
 
 from altup_cupy import predict_correct_backward
 from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs
-from altup_cupy.ops.predict_correct_backward_versions import PREFERENCE, VERSIONS, v4_launch_plan, v4_supported
+from altup_cupy.ops.predict_correct_backward_versions import (PREFERENCE, V6_RING, VERSIONS, ring_launch_plan,
+                                                              v4_launch_plan, v4_supported, v6_supported)
 from altup_cupy.reference import predict_correct_backward_reference
 
 N, B, S, H = 3, 2, 3, 16
@@ -117,6 +118,20 @@ def test_v4_refuses_shapes_it_cannot_hold(n, h):
     assert not v4_supported(n, h)
     with pytest.raises(ValueError, match="version 3"):
         v4_launch_plan(n, h)
+
+
+@pytest.mark.parametrize("n,h,stages", [(3, 2304, 6), (2, 2432, 6), (2, 8, 6)])
+def test_v6_launch_plan(n, h, stages):
+    """v6: the same ring in shared memory, half slices: H <= 2432 (20 warps), N <= 3."""
+    assert v6_supported(n, h)
+    assert ring_launch_plan(V6_RING, n, h) == stages
+
+
+@pytest.mark.parametrize("n,h", [(4, 2048), (3, 2440), (2, 4096)])
+def test_v6_refuses_shapes_it_cannot_hold(n, h):
+    assert not v6_supported(n, h)
+    with pytest.raises(ValueError, match="version 4 .* or 3"):
+        ring_launch_plan(V6_RING, n, h)
 
 
 @pytest.mark.parametrize("stages", [2, 7])

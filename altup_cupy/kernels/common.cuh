@@ -34,6 +34,31 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&in)[kVec]) {
                       pack_bf16x2(in[4], in[5]), pack_bf16x2(in[6], in[7]));
 }
 
+// Four packed bf16 (uint2, one 8-byte access): the half slices of predict_correct_backward_v6.
+__device__ __forceinline__ float bf16_at(const uint2& v, const int e) {
+    const unsigned int pair = e < 2 ? v.x : v.y;
+    return (e & 1) ? bf16_hi(pair) : bf16_lo(pair);
+}
+
+__device__ __forceinline__ void unpack_bf16x4(const uint2 v, float (&out)[4]) {
+    out[0] = bf16_lo(v.x); out[1] = bf16_hi(v.x);
+    out[2] = bf16_lo(v.y); out[3] = bf16_hi(v.y);
+}
+
+__device__ __forceinline__ uint2 pack_bf16x4(const float (&in)[4]) {
+    return make_uint2(pack_bf16x2(in[0], in[1]), pack_bf16x2(in[2], in[3]));
+}
+
+// The vector that holds E packed bf16 (E = 8: uint4, E = 4: uint2), and (un)packing by width, for
+// code written once for both.
+template <int E> struct Bf16Pack;
+template <> struct Bf16Pack<8> { using type = uint4; };
+template <> struct Bf16Pack<4> { using type = uint2; };
+__device__ __forceinline__ uint4 pack_bf16(const float (&in)[8]) { return pack_bf16x8(in); }
+__device__ __forceinline__ uint2 pack_bf16(const float (&in)[4]) { return pack_bf16x4(in); }
+__device__ __forceinline__ void unpack_bf16(const uint4 v, float (&out)[8]) { unpack_bf16x8(v, out); }
+__device__ __forceinline__ void unpack_bf16(const uint2 v, float (&out)[4]) { unpack_bf16x4(v, out); }
+
 // Rounds each of 8 fp32 to bf16 and back (round to nearest even): a bf16 result held as fp32.
 __device__ __forceinline__ void round_bf16x8(float (&v)[kVec]) { unpack_bf16x8(pack_bf16x8(v), v); }
 

@@ -1,5 +1,6 @@
-// slice_pass.cuh: the per-slice arithmetic of the single-pass backward (v3, v4): the token's
-// dot products (pass 1) and its outputs and S accumulation (pass 2) for one 8-element slice,
+// slice_pass.cuh: the per-slice arithmetic of the single-pass backward (v3, v4, v6): the token's
+// dot products (pass 1) and its outputs and S accumulation (pass 2) for one slice of E elements
+// (E = 8, one 16-byte word of each row; v6's half slices E = 4, one 8-byte word),
 // the value layout of the block reduction, the router/norm partials, and the parameters the
 // kernels share. The derivation is in predict_correct_backward_v3.cu.
 #pragma once
@@ -34,12 +35,13 @@ struct SliceLayout {
     static constexpr int kCoefGrads = N * N * N + N * N;
 };
 
-// The token's rows of one 8-element slice, packed bf16 (4 registers per row).
-template <int N>
+// The token's rows of one E-element slice, packed bf16 (E / 2 registers per row).
+template <int N, int E = kVec>
 struct SliceRows {
-    uint4 g[N];
-    uint4 h[N];
-    uint4 act;
+    using Pack = typename Bf16Pack<E>::type;
+    Pack g[N];
+    Pack h[N];
+    Pack act;
 };
 
 // The coefficient matrices, bf16 -> fp32, into shared memory (sh.P, sh.Q); ends on a barrier.
@@ -55,10 +57,11 @@ __device__ __forceinline__ void stage_coefficients(Shared& sh, const unsigned sh
 
 // R[n] * w of one slice in fp32 from the packed bf16 weights (the router statistics and both
 // router backwards use only this product), computed where it is used.
-template <int N>
+template <int N, int E = kVec>
 struct RouterTimesNormFromWeights {
-    uint4 rn[N], wn;
-    __device__ __forceinline__ RouterTimesNormFromWeights(const uint4* __restrict__ router, const uint4* __restrict__ norm,
+    using Pack = typename Bf16Pack<E>::type;
+    Pack rn[N], wn;
+    __device__ __forceinline__ RouterTimesNormFromWeights(const Pack* __restrict__ router, const Pack* __restrict__ norm,
                                                  const int slice, const int slices) {
 #pragma unroll
         for (int n = 0; n < N; ++n) rn[n] = __ldg(router + n * slices + slice);
@@ -78,12 +81,12 @@ struct RouterTimesNormFromWeights {
 // rw(n, e): R[n] * w at element e of the slice (fp32), fetched where it is used so that it never
 // occupies registers across the pass. Router statistics first (h_a, act, R w), then the Gram
 // products (g, h, act): two loops keep fewer unpacked values alive at once.
-template <int N, int A, typename RouterTimesNorm>
-__device__ __forceinline__ void slice_dot_products(const SliceRows<N>& r, const RouterTimesNorm& rw,
+template <int N, int A, typename RouterTimesNorm, int E>
+__device__ __forceinline__ void slice_dot_products(const SliceRows<N, E>& r, const RouterTimesNorm& rw,
                                                 float (&v)[SliceLayout<N>::kValuesPow2]) {
     using L = SliceLayout<N>;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
+    for (int e = 0; e < E; ++e) {
         const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e);
         v[L::kSsA] = fmaf(ha, ha, v[L::kSsA]);
         v[L::kSsC] = fmaf(ac, ac, v[L::kSsC]);
@@ -97,7 +100,7 @@ __device__ __forceinline__ void slice_dot_products(const SliceRows<N>& r, const 
 #pragma unroll
     for (int i = 0; i < N; ++i) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
+        for (int e = 0; e < E; ++e) {
             const float gi = bf16_at(r.g[i], e);
             v[L::kGc + i] = fmaf(gi, bf16_at(r.act, e), v[L::kGc + i]);
 #pragma unroll
@@ -131,11 +134,11 @@ __device__ __forceinline__ void write_coef_grad_partials(float* __restrict__ par
 // Pass 2, first part: the slice's S[n] += sigma_p[n] h_a + sigma_c[n] act (c: the token's
 // broadcast coefficients, SliceLayout). s(n, e): a reference to S[n] at element e of the slice
 // (shared memory in v3, registers in v4).
-template <int N, int A, typename SliceOfS>
-__device__ __forceinline__ void slice_accumulate_s(const SliceRows<N>& r, const float* __restrict__ c, const SliceOfS& s) {
+template <int N, int A, typename SliceOfS, int E>
+__device__ __forceinline__ void slice_accumulate_s(const SliceRows<N, E>& r, const float* __restrict__ c, const SliceOfS& s) {
     using L = SliceLayout<N>;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
+    for (int e = 0; e < E; ++e) {
         const float ha = bf16_at(r.h[A], e), ac = bf16_at(r.act, e);
 #pragma unroll
         for (int n = 0; n < N; ++n) {
@@ -148,30 +151,31 @@ __device__ __forceinline__ void slice_accumulate_s(const SliceRows<N>& r, const 
 // Pass 2, second part: the slice's activation gradients, written once (evict-first).
 // grad_act_out / grad_hs_out point at the slice in grad_act and in stream 0 of grad_hs.
 // One output row at a time, so only that row's coefficients and results are live.
-template <int N, int A, typename RouterTimesNorm>
-__device__ __forceinline__ void slice_output(const SliceRows<N>& r, const RouterTimesNorm& rw, const float* __restrict__ c,
-                                                uint4* __restrict__ grad_act_out, uint4* __restrict__ grad_hs_out,
+template <int N, int A, typename RouterTimesNorm, int E>
+__device__ __forceinline__ void slice_output(const SliceRows<N, E>& r, const RouterTimesNorm& rw, const float* __restrict__ c,
+                                                typename SliceRows<N, E>::Pack* __restrict__ grad_act_out,
+                                                typename SliceRows<N, E>::Pack* __restrict__ grad_hs_out,
                                                 const long long stream_stride) {
     using L = SliceLayout<N>;
     {  // grad_act = sum_l k_l g_l + (R w)^T alpha_c - beta_c act
-        float out[kVec];
+        float out[E];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
+        for (int e = 0; e < E; ++e) {
             float gd = 0.0f;
 #pragma unroll
             for (int n = 0; n < N; ++n) gd = fmaf(c[L::kK + n], bf16_at(r.g[n], e), gd);
             out[e] = gd + fmaf(-c[L::kBetaC], bf16_at(r.act, e), rw.dot(e, c + L::kAlphaC));
         }
-        __stcs(grad_act_out, pack_bf16x8(out));
+        __stcs(grad_act_out, pack_bf16(out));
     }
     // grad_h_j = sum_l B_jl g_l (+ (R w)^T alpha_p - beta_p h_a): stream A first, right after
     // grad_act, so the R w products both use are not held across the other rows.
 #pragma unroll
     for (int row = 0; row < N; ++row) {
         const int j = row == 0 ? A : (row <= A ? row - 1 : row);
-        float out[kVec];
+        float out[E];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
+        for (int e = 0; e < E; ++e) {
             float acc = 0.0f;
             if (j == A) {
                 acc = fmaf(-c[L::kBetaP], bf16_at(r.h[A], e), rw.dot(e, c + L::kAlphaP));
@@ -180,36 +184,37 @@ __device__ __forceinline__ void slice_output(const SliceRows<N>& r, const Router
             for (int l = 0; l < N; ++l) acc = fmaf(c[L::kB + j * N + l], bf16_at(r.g[l], e), acc);
             out[e] = acc;
         }
-        __stcs(grad_hs_out + j * stream_stride, pack_bf16x8(out));
+        __stcs(grad_hs_out + j * stream_stride, pack_bf16(out));
     }
 }
 
 // One slice of the block's router and norm-weight partials from its S (predict_correct_backward_reduce'
 // layout): dR[n,d] = w_d S[n,d] / H, dw[d] = sum_n R[n,d] S[n,d] / H.
-template <int N>
-__device__ __forceinline__ void slice_write_router_partials(float* __restrict__ part, const float (&s)[N][kVec],
-                                                         const uint4* __restrict__ router, const uint4* __restrict__ norm,
+template <int N, int E>
+__device__ __forceinline__ void slice_write_router_partials(float* __restrict__ part, const float (&s)[N][E],
+                                                         const typename Bf16Pack<E>::type* __restrict__ router,
+                                                         const typename Bf16Pack<E>::type* __restrict__ norm,
                                                          const int slice, const int slices, const float inv_h) {
-    const int hidden = slices * kVec;
-    auto store8 = [&](float* row, const float (&x)[kVec]) {  // two 16-byte stores (rows stay aligned)
-        float4* dst = reinterpret_cast<float4*>(row + slice * kVec);
-        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
-        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+    const int hidden = slices * E;
+    auto store = [&](float* row, const float (&x)[E]) {  // 16-byte stores (rows stay aligned)
+        float4* dst = reinterpret_cast<float4*>(row + slice * E);
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) dst[q] = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
     };
-    float wn[kVec], dw[kVec] = {};
-    unpack_bf16x8(__ldg(norm + slice), wn);
+    float wn[E], dw[E] = {};
+    unpack_bf16(__ldg(norm + slice), wn);
 #pragma unroll
     for (int n = 0; n < N; ++n) {  // one row at a time: only its S, R and dR are live
-        float rn[kVec], dR[kVec];
-        unpack_bf16x8(__ldg(router + n * slices + slice), rn);
+        float rn[E], dR[E];
+        unpack_bf16(__ldg(router + n * slices + slice), rn);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
+        for (int e = 0; e < E; ++e) {
             dR[e] = wn[e] * s[n][e] * inv_h;
             dw[e] = fmaf(rn[e], s[n][e], dw[e]);
         }
-        store8(part + n * hidden, dR);
+        store(part + n * hidden, dR);
     }
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) dw[e] *= inv_h;
-    store8(part + N * hidden, dw);
+    for (int e = 0; e < E; ++e) dw[e] *= inv_h;
+    store(part + N * hidden, dw);
 }

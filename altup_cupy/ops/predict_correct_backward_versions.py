@@ -1,5 +1,7 @@
 """The predict-correct backward's kernel versions and their launch plans (docs/SPEC.md section 2).
 
+v6 (Hopper): v4 with half slices: a compute thread owns 4 elements of each row instead of 8, so a
+    block has twice the warps to hide latency (N <= 3, H <= 2432).
 v4 (Hopper): v3's arithmetic with each token's rows streamed into a ring of shared-memory stages
     by the bulk-copy engine (cp.async.bulk completing on an mbarrier), two tokens ahead of the
     compute, and the per-token scalar phase on a dedicated warp one token behind; one block per SM.
@@ -9,7 +11,7 @@ v1 (teaching): one small kernel per derivation stage, intermediates in global sc
 v2-v4 write per-block partials of the weight gradients that the reduce kernel sums in a fixed
 order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
 
-A plan is built once per (version, N, active index, tokens, H, device; v4 also per ring-stage
+A plan is built once per (version, N, active index, tokens, H, device; v4 and v6 also per ring-stage
 count): launch shape, occupancy, packed launches. It is called as every plan is (`_registry`):
 inputs the op's seven tensors, outputs its six gradients; a call takes the weight-gradient partials
 from scratch memory (`_scratch`: reused per stream on the eager fast path, else fresh) and
@@ -19,11 +21,13 @@ launches.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from .. import _device
 from .. import _sources as S
+from .._build import KernelSource
 from .._launch import PackedLaunch, ceil_div, round_up
 from .._occupancy import SM_LIMITS, blocks_per_sm
 from .._scratch import StreamScratch
@@ -34,7 +38,7 @@ SHARED_PER_BLOCK = 227 * 1024
 # The widest rows v2 (4 slices of 8 x 256 threads) and v3 (2 slices of 8 x 512 threads) cover.
 MAX_HIDDEN = 8192
 V1_MAX_CHUNKS = 256  # token chunks of v1's weight-gradient reductions
-V4_MIN_STAGES = 3  # token j in pass 1, token j - 1 in pass 2, and one arriving
+RING_MIN_STAGES = 3  # token j in pass 1, token j - 1 in pass 2, and one arriving
 MAIN_ARGS = ("ptr",) * 10 + ("i32", "i64", "f32")  # g hs act P Q R w grad_hs grad_act partials H M eps
 # Every fused version's per-block weight-gradient partials.
 _PARTIALS = StreamScratch()
@@ -203,63 +207,99 @@ def _v3_plan(streams: int, active: int, tokens: int, hidden: int, device: int) -
     return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden)
 
 
-# ---- v4 -----------------------------------------------------------------------------------------
+# ---- the ring kernels: v4, v6 ------------------------------------------------------------------
 
 
-def v4_threads(hidden: int) -> int:
-    """Threads per v4 block: one compute thread per 8-element slice, rounded up to whole warps,
-    plus the scalar warp."""
-    return round_up(hidden // 8, 32) + 32
+@dataclass(frozen=True, eq=False)  # each instance its own key (ring_plan's cache)
+class RingKernel:
+    """One ring kernel (kernels/ring_backward.cuh): its source, how many elements of a row one
+    compute thread owns, its launch bound, the bound on its static shared memory, the N it is
+    built for and what serves the shapes it cannot (in words, for the error)."""
+
+    source: KernelSource
+    elements: int
+    max_threads: int
+    static_shared_bound: int
+    streams: tuple[int, ...]
+    instead: str
+
+    def kernel_name(self, streams: int, active: int) -> str:
+        return f"{self.source.filename.removesuffix('.cu')}<{streams}, {active}>"
 
 
-def v4_shared_bytes(streams: int, hidden: int, stages: int) -> int:
-    """Dynamic shared memory of v4: `stages` stages of 2N+1 bf16 rows, then R*w in fp32 [N, H]."""
+V4_RING = RingKernel(S.PREDICT_CORRECT_BACKWARD_V4, 8, S.V4_MAX_THREADS, S.V4_STATIC_SHARED_BOUND,
+                     S.SUPPORTED_STREAMS, "version 3")
+V6_RING = RingKernel(S.PREDICT_CORRECT_BACKWARD_V6, 4, S.V6_MAX_THREADS, S.V6_STATIC_SHARED_BOUND, S.V6_STREAMS,
+                     "version 4 (H <= 2560) or 3")
+
+
+def ring_threads(ring: RingKernel, hidden: int) -> int:
+    """Threads per block: one compute thread per `ring.elements` elements of a row, rounded up to
+    whole warps, plus the scalar warp."""
+    return round_up(hidden // ring.elements, 32) + 32
+
+
+def ring_shared_bytes(streams: int, hidden: int, stages: int) -> int:
+    """Dynamic shared memory of a ring kernel: `stages` stages of 2N+1 bf16 rows, then R*w in fp32 [N, H]."""
     return stages * (2 * streams + 1) * 2 * hidden + streams * hidden * 4
 
 
-def _v4_fits(streams: int, hidden: int, stages: int, static_bytes: int) -> bool:
-    return (v4_threads(hidden) <= S.V4_MAX_THREADS
-            and v4_shared_bytes(streams, hidden, stages) + static_bytes <= SHARED_PER_BLOCK)
+def _ring_fits(ring: RingKernel, streams: int, hidden: int, stages: int, static_bytes: int) -> bool:
+    return (streams in ring.streams and ring_threads(ring, hidden) <= ring.max_threads
+            and ring_shared_bytes(streams, hidden, stages) + static_bytes <= SHARED_PER_BLOCK)
 
 
-def v4_supported(streams: int, hidden: int) -> bool:
-    """Whether v4's ring of its fewest stages fits one block (and one slice per thread does)."""
-    return _v4_fits(streams, hidden, V4_MIN_STAGES, S.V4_STATIC_SHARED_BOUND)
+def ring_supported(ring: RingKernel, streams: int, hidden: int) -> bool:
+    """Whether the ring of its fewest stages fits one block (and one slice per thread does)."""
+    return _ring_fits(ring, streams, hidden, RING_MIN_STAGES, ring.static_shared_bound)
 
 
-def v4_stage_choices(streams: int, hidden: int) -> list[int]:
-    """Every ring-stage count v4 can launch with for this N and H (the sweep and the tests)."""
-    if not v4_supported(streams, hidden):
+def ring_stage_choices(ring: RingKernel, streams: int, hidden: int) -> list[int]:
+    """Every ring-stage count the kernel can launch with for this N and H (the sweep and the tests)."""
+    if not ring_supported(ring, streams, hidden):
         return []
-    return [count for count in range(V4_MIN_STAGES, S.V4_MAX_STAGES + 1)
-            if _v4_fits(streams, hidden, count, S.V4_STATIC_SHARED_BOUND)]
+    return [count for count in range(RING_MIN_STAGES, S.RING_MAX_STAGES + 1)
+            if _ring_fits(ring, streams, hidden, count, ring.static_shared_bound)]
 
 
-def v4_launch_plan(streams: int, hidden: int, static_bytes: int = S.V4_STATIC_SHARED_BOUND,
-                   stages: int | None = None) -> int:
-    """Ring stages of v4: the most that fit one block's shared memory, or `stages` if fixed
-    (v4_plan's `stages`); a choice that does not fit raises ValueError."""
-    if not v4_supported(streams, hidden):
-        raise ValueError(f"v4 does not apply to N = {streams}, H = {hidden}: its shared-memory ring "
-                         f"does not fit (H <= 2560 needed); use version 3")
-    for count in ((stages,) if stages else range(S.V4_MAX_STAGES, V4_MIN_STAGES - 1, -1)):
-        if V4_MIN_STAGES <= count <= S.V4_MAX_STAGES and _v4_fits(streams, hidden, count, static_bytes):
+def ring_launch_plan(ring: RingKernel, streams: int, hidden: int, static_bytes: int | None = None,
+                     stages: int | None = None) -> int:
+    """Ring stages: the most that fit one block's shared memory, or `stages` if fixed (ring_plan's
+    `stages`); a choice that does not fit raises ValueError."""
+    static_bytes = ring.static_shared_bound if static_bytes is None else static_bytes
+    if not ring_supported(ring, streams, hidden):
+        largest = (ring.max_threads - 32) * ring.elements
+        raise ValueError(f"{ring.source.filename} does not apply to N = {streams}, H = {hidden}: it is built for "
+                         f"N in {ring.streams} and H <= {largest} with a shared-memory ring that fits one block; "
+                         f"use {ring.instead}")
+    for count in ((stages,) if stages else range(S.RING_MAX_STAGES, RING_MIN_STAGES - 1, -1)):
+        if RING_MIN_STAGES <= count <= S.RING_MAX_STAGES and _ring_fits(ring, streams, hidden, count, static_bytes):
             return count
-    raise ValueError(f"v4 with {stages} stages does not fit N = {streams}, H = {hidden}")
+    raise ValueError(f"{ring.source.filename} with {stages} stages does not fit N = {streams}, H = {hidden}")
 
 
 @functools.lru_cache(maxsize=256)
-def v4_plan(streams: int, active: int, tokens: int, hidden: int, device: int,
-            stages: int | None = None) -> FusedPlan:
-    """v4's plan of one shape: `stages` ring stages (the tuning sweep, the tests of every stage
-    count; a count that does not fit raises ValueError), or None: the most that fit one block."""
+def ring_plan(ring: RingKernel, streams: int, active: int, tokens: int, hidden: int, device: int,
+              stages: int | None = None) -> FusedPlan:
+    """A ring kernel's plan of one shape: `stages` ring stages (the tuning sweep, the tests of every
+    stage count; a count that does not fit raises ValueError), or None: the most that fit one block."""
     with torch.cuda.device(device):
-        kernel = S.PREDICT_CORRECT_BACKWARD_V4.kernel(f"predict_correct_backward_v4<{streams}, {active}>")
-        stages = v4_launch_plan(streams, hidden, kernel.shared_size_bytes, stages)
-        shared = v4_shared_bytes(streams, hidden, stages)
-        threads = v4_threads(hidden)
+        kernel = ring.source.kernel(ring.kernel_name(streams, active))
+        stages = ring_launch_plan(ring, streams, hidden, kernel.shared_size_bytes, stages)
+        shared = ring_shared_bytes(streams, hidden, stages)
+        threads = ring_threads(ring, hidden)
         blocks = _grid(kernel, threads, shared, 1, tokens, device, carveout_shared=True)
         return FusedPlan(kernel, threads, shared, blocks, streams, tokens, hidden, (stages,), ("i32",))
+
+
+# v4 and v6 as the registry, the sweep and the tests call them.
+v4_supported = functools.partial(ring_supported, V4_RING)
+v4_stage_choices = functools.partial(ring_stage_choices, V4_RING)
+v4_launch_plan = functools.partial(ring_launch_plan, V4_RING)
+v4_plan = functools.partial(ring_plan, V4_RING)
+v6_supported = functools.partial(ring_supported, V6_RING)
+v6_stage_choices = functools.partial(ring_stage_choices, V6_RING)
+v6_plan = functools.partial(ring_plan, V6_RING)
 
 
 def _cached(build):
@@ -288,6 +328,10 @@ VERSIONS = {
     4: Version(4, "rows streamed into a shared-memory ring by the bulk-copy engine; scalar warp",
                (S.PREDICT_CORRECT_BACKWARD_V4, S.PREDICT_CORRECT_BACKWARD_REDUCE),
                v4_supported, v4_plan),
+    6: Version(6, "v4 with half slices: 4 elements a compute thread, twice the warps (N <= 3, H <= 2432)",
+               (S.PREDICT_CORRECT_BACKWARD_V6, S.PREDICT_CORRECT_BACKWARD_REDUCE),
+               v6_supported, v6_plan),
 }
-# The default: the first of these that runs on the device and shape (v4 needs Hopper).
+# The default: the first of these that runs on the device and shape (v4 needs Hopper). v6 is new:
+# it joins once a recorded benchmark run shows it faster than v4.
 PREFERENCE = (4, 3)
