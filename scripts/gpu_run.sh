@@ -21,7 +21,7 @@
 #                        (altup_cupy.lab.gemma3n_model: medians, and each case's p10-p90; rows of this commit
 #                        already in the CSV are kept and not measured again)
 #   notebooks.log        notebooks/*.ipynb executed in place in GPU mode (scripts/execute_notebooks.sh)
-#   sweep_v4.csv, .log   the tuning sweep of backward v4 (Hopper GPUs only)
+#   sweep_v4.csv, .log   the tuning sweep of the backward's ring kernels, v4 and v6 (Hopper GPUs only)
 # Each stage runs under a time limit of ALTUP_STAGE_LIMIT_S seconds (default 1800), so a hung
 # kernel ends its stage, not the run. Exit code: 0 if every stage passed.
 set -uo pipefail

@@ -164,8 +164,9 @@ KERNELS = {
 }
 # The default version of each step (numbers count from 1): the newest, unless a newer one has yet to
 # win a recorded run (tests/test_registry.py holds every registered version to the recorded one).
-# The predict backward's v4 and the correct backward's v3 are new: v3 and v2 stay the defaults until
-# a run of scripts/bench_gemma3n.py shows them faster.
+# The predict backward's v4 and the correct backward's v3 have not won a run: on an H100 (1ae0df0,
+# results/nvidia-h100-80gb-hbm3/) predict v4 was slower than v3 at every M and correct v3 within 2%
+# of v2; v3 and v2 stay the defaults until an H200 run of scripts/bench_gemma3n.py shows otherwise.
 DEFAULT = {**{step: len(versions) for step, versions in KERNELS.items()}, "predict_backward": 3, "correct_backward": 2}
 
 
