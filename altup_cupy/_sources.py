@@ -155,21 +155,20 @@ PREDICT_CORRECT_BACKWARD_V3 = KernelSource(
              **_PARTIALS},
 )
 
-# Hopper only: cp.async.bulk and mbarrier.
-PREDICT_CORRECT_BACKWARD_V4 = KernelSource(
-    "predict_correct_backward_v4.cu",
-    tuple(f"predict_correct_backward_v4<{n}, {a}>" for n in SUPPORTED_STREAMS for a in range(n)),
-    min_arch=90,
-    defines={"V4_MAX_THREADS": V4_MAX_THREADS, "RING_MAX_STAGES": RING_MAX_STAGES,
-             "V4_STATIC_SHARED_BOUND": V4_STATIC_SHARED_BOUND, **_PARTIALS},
-)
-PREDICT_CORRECT_BACKWARD_V6 = KernelSource(
-    "predict_correct_backward_v6.cu",
-    tuple(f"predict_correct_backward_v6<{n}, {a}>" for n in V6_STREAMS for a in range(n)),
-    min_arch=90,
-    defines={"V6_MAX_THREADS": V6_MAX_THREADS, "RING_MAX_STAGES": RING_MAX_STAGES,
-             "V6_STATIC_SHARED_BOUND": V6_STATIC_SHARED_BOUND, **_PARTIALS},
-)
+
+def _ring_backward(version: int, streams: tuple[int, ...], max_threads: int,
+                   static_shared_bound: int) -> KernelSource:
+    """A ring kernel of the backward (v4, v6: kernels/predict_correct_backward_v<version>.cu,
+    <N, active index>), Hopper only (cp.async.bulk and mbarrier)."""
+    kernel = f"predict_correct_backward_v{version}"
+    return KernelSource(
+        f"{kernel}.cu", tuple(f"{kernel}<{n}, {a}>" for n in streams for a in range(n)), min_arch=90,
+        defines={f"V{version}_MAX_THREADS": max_threads, "RING_MAX_STAGES": RING_MAX_STAGES,
+                 f"V{version}_STATIC_SHARED_BOUND": static_shared_bound, **_PARTIALS})
+
+
+PREDICT_CORRECT_BACKWARD_V4 = _ring_backward(4, SUPPORTED_STREAMS, V4_MAX_THREADS, V4_STATIC_SHARED_BOUND)
+PREDICT_CORRECT_BACKWARD_V6 = _ring_backward(6, V6_STREAMS, V6_MAX_THREADS, V6_STATIC_SHARED_BOUND)
 
 # ---- Gemma 3n's AltUp steps (altup_cupy.torch, altup_cupy.gemma3n) ----------------------------
 

@@ -11,10 +11,7 @@
 // Per-compute-warp sums: 17 columns hold the <= 10 compute warps of H <= 2560 (odd: no bank conflicts).
 constexpr int kV4SumColumns = 17;
 
-// The host decides without a GPU whether a ring fits, from this bound on the static part.
-static_assert(sizeof(RingShared<4, kV4SumColumns>) + ALTUP_RING_MAX_STAGES * sizeof(unsigned long long) <=
-                  ALTUP_V4_STATIC_SHARED_BOUND,
-              "_sources.V4_STATIC_SHARED_BOUND");
+static_assert(ring_static_shared_bytes<4, kV4SumColumns>() <= ALTUP_V4_STATIC_SHARED_BOUND, "_sources.V4_STATIC_SHARED_BOUND");
 
 // Block: one compute thread per 8-element slice, rounded up to whole warps, plus the scalar warp:
 // at most 11 warps (H <= 2560), so three warps share a scheduler's 16K registers and each thread

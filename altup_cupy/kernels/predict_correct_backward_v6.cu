@@ -18,11 +18,7 @@ constexpr int kHalfSlice = 4;
 // Per-compute-warp sums: 21 columns hold the <= 19 compute warps of H <= 2432 (odd: no bank conflicts).
 constexpr int kV6SumColumns = 21;
 
-// The host decides without a GPU whether a ring fits, from this bound on the static part (N <= 3:
-// _sources.V6_STREAMS).
-static_assert(sizeof(RingShared<3, kV6SumColumns>) + ALTUP_RING_MAX_STAGES * sizeof(unsigned long long) <=
-                  ALTUP_V6_STATIC_SHARED_BOUND,
-              "_sources.V6_STATIC_SHARED_BOUND");
+static_assert(ring_static_shared_bytes<3, kV6SumColumns>() <= ALTUP_V6_STATIC_SHARED_BOUND, "_sources.V6_STATIC_SHARED_BOUND");
 
 // Block: one compute thread per half slice, rounded up to whole warps, plus the scalar warp: at most
 // 20 warps (H <= 2432). Registers are allocated per scheduler (16K each, 4 a SM): 5 warps a

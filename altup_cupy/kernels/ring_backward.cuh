@@ -151,6 +151,13 @@ struct RingShared {
     float P[N * N * N], Q[N * N];
 };
 
+// What a ring kernel's static shared memory takes at N streams (RingShared and the stage barriers):
+// each version checks, at the largest N it is built for, the bound its host plans with.
+template <int N, int COLUMNS>
+constexpr unsigned long long ring_static_shared_bytes() {
+    return sizeof(RingShared<N, COLUMNS>) + ALTUP_RING_MAX_STAGES * sizeof(unsigned long long);
+}
+
 // Everything a ring block does: its tokens, then its weight-gradient partial row (each warp returns
 // once it has written its share). E elements of each row per compute thread (v4: 8, v6: 4).
 // Dynamic shared memory (host: ring_shared_bytes): `stages` stages of (2N+1) rows of H bf16, then
