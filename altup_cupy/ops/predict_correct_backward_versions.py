@@ -8,8 +8,8 @@ v4 (Hopper): v3's arithmetic with each token's rows streamed into a ring of shar
 v3: one pass over memory on a persistent grid with ONE block reduction per token.
 v2: the first fused version: three reduction rounds per token.
 v1 (teaching): one small kernel per derivation stage, intermediates in global scratch.
-v2-v4 write per-block partials of the weight gradients that the reduce kernel sums in a fixed
-order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
+v2-v4 and v6 write per-block partials of the weight gradients that the reduce kernel sums in a
+fixed order (bitwise deterministic); v1 writes per-chunk partials that the same kernel sums.
 
 A plan is built once per (version, N, active index, tokens, H, device; v4 and v6 also per ring-stage
 count): launch shape, occupancy, packed launches. It is called as every plan is (`_registry`):
@@ -294,11 +294,9 @@ def ring_plan(ring: RingKernel, streams: int, active: int, tokens: int, hidden: 
 
 # v4 and v6 as the registry, the sweep and the tests call them.
 v4_supported = functools.partial(ring_supported, V4_RING)
-v4_stage_choices = functools.partial(ring_stage_choices, V4_RING)
 v4_launch_plan = functools.partial(ring_launch_plan, V4_RING)
 v4_plan = functools.partial(ring_plan, V4_RING)
 v6_supported = functools.partial(ring_supported, V6_RING)
-v6_stage_choices = functools.partial(ring_stage_choices, V6_RING)
 v6_plan = functools.partial(ring_plan, V6_RING)
 
 
