@@ -26,8 +26,7 @@ from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES
 from altup_cupy.lab.benchmarks.predict_correct_backward import PREDICT_CORRECT_BACKWARD as BENCH
 from altup_cupy.lab.workloads import tolerance_report, workloads
 from altup_cupy.ops.predict_correct_backward import run_plan
-from altup_cupy.ops.predict_correct_backward_versions import (V4_RING, V6_RING, ring_plan, ring_stage_choices,
-                                                              v4_launch_plan)
+from altup_cupy.ops.predict_correct_backward_versions import RINGS, ring_plan, ring_stage_choices, v4_launch_plan
 
 TOKENS = (256, 1024, 2984, 8192, 39232)  # of the benchmark suite
 
@@ -52,7 +51,7 @@ def main() -> int:
         args_ = [inputs[k] for k in ARG_NAMES]
         a, eps = inputs["active_idx"], inputs["eps"]
         default = v4_launch_plan(w.streams, w.hidden)
-        candidates = [(name, ring, stages) for name, ring in (("v4", V4_RING), ("v6", V6_RING))
+        candidates = [(f"v{version}", ring, stages) for version, ring in RINGS.items()
                       for stages in ring_stage_choices(ring, w.streams, w.hidden)] + [("v3", None, None)]
         for name, ring, plan in candidates:
             def call(ring=ring, plan=plan):

@@ -12,8 +12,7 @@ from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES, eager_
 from altup_cupy.lab.check import oracle_bound
 from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
 from altup_cupy.ops.predict_correct_backward import run_plan
-from altup_cupy.ops.predict_correct_backward_versions import (V4_RING, V6_RING, VERSIONS, ring_plan,
-                                                              ring_stage_choices)
+from altup_cupy.ops.predict_correct_backward_versions import RINGS, VERSIONS, ring_plan, ring_stage_choices
 from altup_cupy.reference import predict_correct_backward_reference
 
 pytestmark = pytest.mark.gpu
@@ -82,9 +81,6 @@ def test_active_idx(a, version, seeds):
     inputs = predict_correct_backward_inputs(w, seeds(), "cuda", "random")
     out = predict_correct_backward(*_args(inputs), a, inputs["eps"], version=version)
     check_against_reference(w, inputs, out)
-
-
-RINGS = {4: V4_RING, 6: V6_RING}
 
 
 def _ring_refuses(n, h, version, inputs, a):

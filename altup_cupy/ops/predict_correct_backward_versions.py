@@ -231,6 +231,7 @@ V4_RING = RingKernel(S.PREDICT_CORRECT_BACKWARD_V4, 8, S.V4_MAX_THREADS, S.V4_ST
                      S.SUPPORTED_STREAMS, "version 3")
 V6_RING = RingKernel(S.PREDICT_CORRECT_BACKWARD_V6, 4, S.V6_MAX_THREADS, S.V6_STATIC_SHARED_BOUND, S.V6_STREAMS,
                      "version 4 (H <= 2560) or 3")
+RINGS = {4: V4_RING, 6: V6_RING}  # version number -> ring kernel (the sweep and the tests run each)
 
 
 def ring_threads(ring: RingKernel, hidden: int) -> int:
