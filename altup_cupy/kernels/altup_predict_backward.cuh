@@ -85,6 +85,25 @@ struct GradRowsReloaded {
     }
 };
 
+// PackedRows (v3, v5): both sets of rows stay packed as loaded, 4 registers a row: 8 N registers
+// hold all 2N rows (v1 and v2 spend 8 N on h alone), so g is read once, straight from memory, and
+// unpacked (exactly) where it is used.
+template <int N, int A, bool kActive>
+struct PackedRows {
+    using Ahead = NothingAhead;
+    uint4 rows_h[N], rows_g[N];
+    __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t, Ahead&) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            rows_h[j] = slice.load_packed(rows.h(t, j));
+            rows_g[j] = slice.load_packed(rows.g(t, j));
+        }
+        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], slice.load_packed(rows.active_g(t)));
+    }
+    __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
+    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { unpack_bf16x8(rows_g[i], out); }
+};
+
 // The kernel's arguments, which every version takes in this order (the host's argument list,
 // gemma3n_kernels.KERNELS), and their names as the body receives them.
 #define PREDICT_BACKWARD_PARAMS                                                                         \

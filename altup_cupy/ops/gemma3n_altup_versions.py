@@ -33,6 +33,8 @@ SCRATCH_ALIGNMENT = 256
 # Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
 # registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
+# The versions capped at 80 registers a thread (kernels/altup_rows.cuh, ROUTED_BACKWARD_BOUNDS_THREE_BLOCKS).
+THREE_BLOCKS = 3
 # What a resident block of the predict or correct backward takes of an SM's shared memory besides
 # its weight-gradient sums: its static arrays (under 3 KiB at N = 4) and the 1 KiB the driver
 # reserves per block.
@@ -90,6 +92,8 @@ class RowKernel(NamedTuple):
     backward's also the dynamic shared memory of its weight-gradient sums, (N, H) -> bytes. A
     version the default beats at every recorded size says why it stays (`kept_because`, as the
     benchmark ops' `Version`s do; tests/test_registry.py checks it against gemma3n_kernels.csv).
+    A routed backward's `blocks_per_sm`: how many of its blocks its registers and shared memory let
+    share an SM on sm_90 (the persistent grid launches that many an SM).
     A new version of a step is a new entry at the end of the step's tuple in `KERNELS`, with its
     `.cu` and its `KernelSource` in `_sources`."""
     source: KernelSource
@@ -98,6 +102,7 @@ class RowKernel(NamedTuple):
     note: str
     weight_sums_bytes: Callable[[int, int], int] | None = None
     kept_because: str = ""
+    blocks_per_sm: int = BACKWARD_BLOCKS_PER_SM
 
     def instance(self, params: tuple) -> str:
         """The name expression of the instantiation <params...> (as `_sources` lists it)."""
@@ -105,9 +110,11 @@ class RowKernel(NamedTuple):
 
 
 def _kernel(source: KernelSource, arg_types: tuple[str, ...], note: str,
-            weight_sums_bytes: Callable[[int, int], int] | None = None, kept_because: str = "") -> RowKernel:
+            weight_sums_bytes: Callable[[int, int], int] | None = None, kept_because: str = "",
+            blocks_per_sm: int = BACKWARD_BLOCKS_PER_SM) -> RowKernel:
     """A version whose kernel is named after its file."""
-    return RowKernel(source, source.filename.removesuffix(".cu"), arg_types, note, weight_sums_bytes, kept_because)
+    return RowKernel(source, source.filename.removesuffix(".cu"), arg_types, note, weight_sums_bytes, kept_because,
+                     blocks_per_sm)
 
 
 _PREDICT_BACKWARD_ARGS = _PTR * 8 + _BACKWARD_TAIL
@@ -135,7 +142,10 @@ KERNELS = {
         _kernel(_sources.ALTUP_PREDICT_BACKWARD_V3, _PREDICT_BACKWARD_ARGS,
                 "the token's rows of h and g packed in registers: g read once", _slice_major_sums),
         _kernel(_sources.ALTUP_PREDICT_BACKWARD_V4, _PREDICT_BACKWARD_ARGS,
-                "the block's next token's rows loaded while this one is worked on", _slice_major_sums)),
+                "the block's next token's rows loaded while this one is worked on", _slice_major_sums),
+        _kernel(_sources.ALTUP_PREDICT_BACKWARD_V5, _PREDICT_BACKWARD_ARGS,
+                "v3 at 80 registers: three blocks an SM instead of two", _slice_major_sums,
+                blocks_per_sm=THREE_BLOCKS)),
     "correct_forward": (
         _kernel(_sources.ALTUP_CORRECT_FORWARD_V1, _PTR * 7 + _FORWARD_TAIL,
                 "one block per token: N predictions and x read once, N rows written once"),),
@@ -147,7 +157,10 @@ KERNELS = {
                 "weight-gradient sums slice-major: no bank conflict", _slice_major_sums),
         _kernel(_sources.ALTUP_CORRECT_BACKWARD_V3, _CORRECT_BACKWARD_ARGS,
                 "the token's rows packed in registers, the block's next token's loaded while this one is worked on",
-                _slice_major_sums)),
+                _slice_major_sums),
+        _kernel(_sources.ALTUP_CORRECT_BACKWARD_V4, _CORRECT_BACKWARD_ARGS,
+                "v2 at 80 registers: three blocks an SM instead of two", _slice_major_sums,
+                blocks_per_sm=THREE_BLOCKS)),
     "router_grads": (
         _kernel(_sources.ALTUP_ROUTER_GRADS_V1, ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr",
                                                  "ptr"),
@@ -218,17 +231,17 @@ def row_forward_plan(step: str, streams: int, active: int, tokens: int, hidden: 
     return RowForwardPlan(step, streams, active, tokens, hidden, device)
 
 
-def _backward_blocks(device: int, tokens: int) -> int:
-    return max(1, min(tokens, _device.sm_count(device) * BACKWARD_BLOCKS_PER_SM))
+def _backward_blocks(device: int, tokens: int, blocks_per_sm: int) -> int:
+    return max(1, min(tokens, _device.sm_count(device) * blocks_per_sm))
 
 
 def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
     """The predict or correct backward's default version on `device`: the newest up to DEFAULT's
-    whose shared memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. Slice-major sums take 48 KiB at N = 4,
-    so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
-    available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
+    whose shared memory lets its `blocks_per_sm` blocks share an SM. Slice-major sums take 48 KiB at
+    N = 4, so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
+    per_sm = _device.shared_memory_per_sm(device)
     fitting = [v for v, entry in enumerate(KERNELS[step][:DEFAULT[step]], 1)
-               if entry.weight_sums_bytes(streams, hidden) <= available]
+               if entry.weight_sums_bytes(streams, hidden) <= per_sm // entry.blocks_per_sm - ROUTED_BACKWARD_OTHER_SHARED]
     return max(fitting, default=1)
 
 
