@@ -262,7 +262,7 @@ class RoutedBackwardPlan:
     def __init__(self, step: str, version: int, streams: int, active: int, grad_active: bool, tokens: int,
                  hidden: int, device: int):
         coef_columns = streams ** (3 if step == "predict_backward" else 2)
-        self.blocks = _backward_blocks(device, tokens)
+        self.blocks = _backward_blocks(device, tokens, KERNELS[step][version - 1].blocks_per_sm)
         self.stride = round_up(streams * hidden + coef_columns, 4)  # 16-byte aligned partial rows
         self.main = _row_launch(step, version, (streams, active, _CPP_BOOL[grad_active]), device, _row_threads(hidden),
                                 KERNELS[step][version - 1].weight_sums_bytes(streams, hidden))
