@@ -203,13 +203,11 @@ ALTUP_PREDICT_BACKWARD_V1 = _routed_backward("predict_backward", 1)
 ALTUP_PREDICT_BACKWARD_V2 = _routed_backward("predict_backward", 2)
 ALTUP_PREDICT_BACKWARD_V3 = _routed_backward("predict_backward", 3)
 ALTUP_PREDICT_BACKWARD_V4 = _routed_backward("predict_backward", 4)
-ALTUP_PREDICT_BACKWARD_V5 = _routed_backward("predict_backward", 5)
 ALTUP_CORRECT_FORWARD_V1 = KernelSource("altup_correct_forward_v1.cu", _per_active("altup_correct_forward_v1"),
                                         min_arch=80, defines=_ROWS)
 ALTUP_CORRECT_BACKWARD_V1 = _routed_backward("correct_backward", 1)
 ALTUP_CORRECT_BACKWARD_V2 = _routed_backward("correct_backward", 2)
 ALTUP_CORRECT_BACKWARD_V3 = _routed_backward("correct_backward", 3)
-ALTUP_CORRECT_BACKWARD_V4 = _routed_backward("correct_backward", 4)
 ALTUP_EXPAND_FORWARD_V1 = KernelSource("altup_expand_forward_v1.cu",
                                        tuple(f"altup_expand_forward_v1<{n}>" for n in SUPPORTED_STREAMS),
                                        min_arch=80, defines=_ROWS)
@@ -233,12 +231,10 @@ ALL_SOURCES = (
     ALTUP_PREDICT_BACKWARD_V2,
     ALTUP_PREDICT_BACKWARD_V3,
     ALTUP_PREDICT_BACKWARD_V4,
-    ALTUP_PREDICT_BACKWARD_V5,
     ALTUP_CORRECT_FORWARD_V1,
     ALTUP_CORRECT_BACKWARD_V1,
     ALTUP_CORRECT_BACKWARD_V2,
     ALTUP_CORRECT_BACKWARD_V3,
-    ALTUP_CORRECT_BACKWARD_V4,
     ALTUP_EXPAND_FORWARD_V1,
     ALTUP_MAGNITUDE_MATCH_BACKWARD_V1,
     ALTUP_MAGNITUDE_MATCH_BACKWARD_V2,

@@ -198,10 +198,7 @@ def test_backwards_are_bitwise_deterministic(seeds):
 def test_every_backward_version_gives_the_first_versions_bits(seeds, hidden, streams, active):
     """The predict and correct backward versions differ only in where the weight-gradient sums and
     the token's rows live (gemma3n_altup_versions.KERNELS): the same products in the same order, so the
-    same bits. A version that launches another number of blocks an SM (`blocks_per_sm`) sums each
-    weight gradient's tokens in other groups: its activation gradients keep v1's bits, its weight
-    gradients (rounded to bf16 from fp32 sums) lie within one bf16 rounding of v1's. Outputs are
-    poisoned (NaN-filled by the caching allocator's reuse) before each run."""
+    same bits. Outputs are poisoned (NaN-filled by the caching allocator's reuse) before each run."""
     from altup_cupy.ops import gemma3n_altup_versions as kernels
 
     gen = torch.Generator("cuda").manual_seed(seeds())
@@ -219,29 +216,10 @@ def test_every_backward_version_gives_the_first_versions_bits(seeds, hidden, str
             torch.cuda.empty_cache()
             torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN bf16/fp32 in reused blocks
             runs.append(call(version))
-        grid = kernels.KERNELS[step][0].blocks_per_sm
         for version, run in enumerate(runs[1:], 2):
-            same_grid = kernels.KERNELS[step][version - 1].blocks_per_sm == grid
             for name, first, got in zip(runs[0]._fields, runs[0], run):
                 assert bool(first.float().isfinite().all()), f"{step} v1 {name}: non-finite"
-                if same_grid or not name.endswith(WEIGHT_GRAD_NAMES):
-                    assert torch.equal(first, got), f"{step} v{version} {name} differs from v1"
-                else:
-                    _assert_within_one_bf16_rounding(got, first, f"{step} v{version} {name}")
-
-
-WEIGHT_GRAD_NAMES = ("coefs", "router_weight", "norm_weight")
-
-
-def _assert_within_one_bf16_rounding(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """bf16 results of fp32 sums taken in another order: each within one bf16 unit in the last place
-    of the other (at most 2^-7 of the value), plus, for entries whose sum cancels to near zero, 1e-2
-    of that unit at the largest entry."""
-    got, expected = got.float(), expected.float()
-    assert bool(got.isfinite().all()), f"{what}: non-finite"
-    bound = (expected.abs() + expected.abs().max() * 1e-2) * 2.0 ** -7
-    worst = ((got - expected).abs() - bound).max().item()
-    assert worst <= 0, f"{what}: farther than one bf16 rounding from v1 (by {worst:.3g})"
+                assert torch.equal(first, got), f"{step} v{version} {name} differs from v1"
 
 
 @pytest.mark.parametrize("hidden,streams,active", [(2048, 4, 0), (2560, 4, 3), (64, 2, 1)])

@@ -18,6 +18,9 @@
 // optional second output), its gradient arrives apart (`grad_active`) and is added to g_a as it
 // is loaded, rounded as autograd's bf16 addition would round it; whether it is given is a template
 // argument (kActive), so the kernel without it loads and tests nothing more.
+// (v2 capped at 80 registers, three blocks an SM instead of two, measured slower than v2 on an
+// H100, 154.6 against 146.6 us at M = 8192: removed; results/nvidia-h100-80gb-hbm3/
+// gemma3n_kernels_a12a872.csv.)
 #pragma once
 #include "common.cuh"
 #include "altup_rows.cuh"

@@ -15,7 +15,9 @@
 // and altup_router_grads_v1 finishes dR = s w S, dw = s sum_n R_n S_n (s: the router's input
 // scale). (A version that copied the block's next token into shared memory by cp.async while this
 // one was worked on measured slower than v3 at every M once v3 no longer paid for a runtime
-// grad_active test: removed.)
+// grad_active test: removed. So did v3 capped at 80 registers, three blocks an SM instead of two:
+// 195.0 against 163.6 us at M = 8192 on an H100, the spilled bytes costing more than the third
+// block's loads in flight gave; results/nvidia-h100-80gb-hbm3/gemma3n_kernels_a12a872.csv.)
 // Where the model reads the active prediction through a tensor of its own (`active_prediction`,
 // the forward's optional second output), its gradient arrives apart from g's (`grad_active`) and
 // is added to g_a as the rows are loaded, with the rounding of the bf16 addition autograd would
@@ -83,25 +85,6 @@ struct GradRowsReloaded {
             round_bf16x8(out);
         }
     }
-};
-
-// PackedRows (v3, v5): both sets of rows stay packed as loaded, 4 registers a row: 8 N registers
-// hold all 2N rows (v1 and v2 spend 8 N on h alone), so g is read once, straight from memory, and
-// unpacked (exactly) where it is used.
-template <int N, int A, bool kActive>
-struct PackedRows {
-    using Ahead = NothingAhead;
-    uint4 rows_h[N], rows_g[N];
-    __device__ __forceinline__ PackedRows(const RowSlice& slice, const TokenRows& rows, const long long t, Ahead&) {
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-            rows_h[j] = slice.load_packed(rows.h(t, j));
-            rows_g[j] = slice.load_packed(rows.g(t, j));
-        }
-        if (kActive) rows_g[A] = add_bf16x8(rows_g[A], slice.load_packed(rows.active_g(t)));
-    }
-    __device__ __forceinline__ void h(const int j, float (&out)[kVec]) const { unpack_bf16x8(rows_h[j], out); }
-    __device__ __forceinline__ void g(const int i, float (&out)[kVec]) const { unpack_bf16x8(rows_g[i], out); }
 };
 
 // The kernel's arguments, which every version takes in this order (the host's argument list,

@@ -21,11 +21,6 @@ constexpr int kRowThreadsMax = ALTUP_ROW_THREADS_MAX;
 #else
 #define ROUTED_BACKWARD_BOUNDS __launch_bounds__(kRowThreadsMax, 1)
 #endif
-// The versions that trade a few spilled bytes for a third block an SM (predict v5, correct v4):
-// 80 registers a thread let three blocks of 256 threads (H = 2048) share an SM, 24 warps instead of
-// 16, with the weight-gradient sums' 3 x 48 KiB at N = 4 in the 228 KiB of an sm_90 SM. ptxas
-// then spills a few dozen bytes a thread (to L1); the host launches BLOCKS_PER_SM = 3 of them.
-#define ROUTED_BACKWARD_BOUNDS_THREE_BLOCKS __maxnreg__(80)
 
 struct RowSlice {
     long long d0;  // first element of this thread's slice

@@ -33,8 +33,6 @@ SCRATCH_ALIGNMENT = 256
 # Blocks of the backward kernels per SM: two are resident at N = 4 and H <= 2048 (at most 128
 # registers a thread), and the weight-gradient partials (one row per block) stay small.
 BACKWARD_BLOCKS_PER_SM = 2
-# The versions capped at 80 registers a thread (kernels/altup_rows.cuh, ROUTED_BACKWARD_BOUNDS_THREE_BLOCKS).
-THREE_BLOCKS = 3
 # What a resident block of the predict or correct backward takes of an SM's shared memory besides
 # its weight-gradient sums: its static arrays (under 3 KiB at N = 4) and the 1 KiB the driver
 # reserves per block.
@@ -92,8 +90,6 @@ class RowKernel(NamedTuple):
     backward's also the dynamic shared memory of its weight-gradient sums, (N, H) -> bytes. A
     version the default beats at every recorded size says why it stays (`kept_because`, as the
     benchmark ops' `Version`s do; tests/test_registry.py checks it against gemma3n_kernels.csv).
-    A routed backward's `blocks_per_sm`: how many of its blocks its registers and shared memory let
-    share an SM on sm_90 (the persistent grid launches that many an SM).
     A new version of a step is a new entry at the end of the step's tuple in `KERNELS`, with its
     `.cu` and its `KernelSource` in `_sources`."""
     source: KernelSource
@@ -102,7 +98,6 @@ class RowKernel(NamedTuple):
     note: str
     weight_sums_bytes: Callable[[int, int], int] | None = None
     kept_because: str = ""
-    blocks_per_sm: int = BACKWARD_BLOCKS_PER_SM
 
     def instance(self, params: tuple) -> str:
         """The name expression of the instantiation <params...> (as `_sources` lists it)."""
@@ -110,11 +105,9 @@ class RowKernel(NamedTuple):
 
 
 def _kernel(source: KernelSource, arg_types: tuple[str, ...], note: str,
-            weight_sums_bytes: Callable[[int, int], int] | None = None, kept_because: str = "",
-            blocks_per_sm: int = BACKWARD_BLOCKS_PER_SM) -> RowKernel:
+            weight_sums_bytes: Callable[[int, int], int] | None = None, kept_because: str = "") -> RowKernel:
     """A version whose kernel is named after its file."""
-    return RowKernel(source, source.filename.removesuffix(".cu"), arg_types, note, weight_sums_bytes, kept_because,
-                     blocks_per_sm)
+    return RowKernel(source, source.filename.removesuffix(".cu"), arg_types, note, weight_sums_bytes, kept_because)
 
 
 _PREDICT_BACKWARD_ARGS = _PTR * 8 + _BACKWARD_TAIL
@@ -142,10 +135,7 @@ KERNELS = {
         _kernel(_sources.ALTUP_PREDICT_BACKWARD_V3, _PREDICT_BACKWARD_ARGS,
                 "the token's rows of h and g packed in registers: g read once", _slice_major_sums),
         _kernel(_sources.ALTUP_PREDICT_BACKWARD_V4, _PREDICT_BACKWARD_ARGS,
-                "the block's next token's rows loaded while this one is worked on", _slice_major_sums),
-        _kernel(_sources.ALTUP_PREDICT_BACKWARD_V5, _PREDICT_BACKWARD_ARGS,
-                "v3 at 80 registers: three blocks an SM instead of two", _slice_major_sums,
-                blocks_per_sm=THREE_BLOCKS)),
+                "the block's next token's rows loaded while this one is worked on", _slice_major_sums)),
     "correct_forward": (
         _kernel(_sources.ALTUP_CORRECT_FORWARD_V1, _PTR * 7 + _FORWARD_TAIL,
                 "one block per token: N predictions and x read once, N rows written once"),),
@@ -157,10 +147,7 @@ KERNELS = {
                 "weight-gradient sums slice-major: no bank conflict", _slice_major_sums),
         _kernel(_sources.ALTUP_CORRECT_BACKWARD_V3, _CORRECT_BACKWARD_ARGS,
                 "the token's rows packed in registers, the block's next token's loaded while this one is worked on",
-                _slice_major_sums),
-        _kernel(_sources.ALTUP_CORRECT_BACKWARD_V4, _CORRECT_BACKWARD_ARGS,
-                "v2 at 80 registers: three blocks an SM instead of two", _slice_major_sums,
-                blocks_per_sm=THREE_BLOCKS)),
+                _slice_major_sums)),
     "router_grads": (
         _kernel(_sources.ALTUP_ROUTER_GRADS_V1, ("ptr", "i32", "i64", "i32", "i32", "ptr", "ptr", "f32", "ptr", "ptr",
                                                  "ptr"),
@@ -231,17 +218,17 @@ def row_forward_plan(step: str, streams: int, active: int, tokens: int, hidden: 
     return RowForwardPlan(step, streams, active, tokens, hidden, device)
 
 
-def _backward_blocks(device: int, tokens: int, blocks_per_sm: int) -> int:
-    return max(1, min(tokens, _device.sm_count(device) * blocks_per_sm))
+def _backward_blocks(device: int, tokens: int) -> int:
+    return max(1, min(tokens, _device.sm_count(device) * BACKWARD_BLOCKS_PER_SM))
 
 
 def _routed_default(step: str, device: int, streams: int, hidden: int) -> int:
     """The predict or correct backward's default version on `device`: the newest up to DEFAULT's
-    whose shared memory lets its `blocks_per_sm` blocks share an SM. Slice-major sums take 48 KiB at
-    N = 4, so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
-    per_sm = _device.shared_memory_per_sm(device)
+    whose shared memory lets BACKWARD_BLOCKS_PER_SM blocks share an SM. Slice-major sums take 48 KiB at N = 4,
+    so an SM of 100 KiB (sm_86, sm_89) holds one block of such a version where it holds two of v1."""
+    available = _device.shared_memory_per_sm(device) // BACKWARD_BLOCKS_PER_SM - ROUTED_BACKWARD_OTHER_SHARED
     fitting = [v for v, entry in enumerate(KERNELS[step][:DEFAULT[step]], 1)
-               if entry.weight_sums_bytes(streams, hidden) <= per_sm // entry.blocks_per_sm - ROUTED_BACKWARD_OTHER_SHARED]
+               if entry.weight_sums_bytes(streams, hidden) <= available]
     return max(fitting, default=1)
 
 
@@ -262,7 +249,7 @@ class RoutedBackwardPlan:
     def __init__(self, step: str, version: int, streams: int, active: int, grad_active: bool, tokens: int,
                  hidden: int, device: int):
         coef_columns = streams ** (3 if step == "predict_backward" else 2)
-        self.blocks = _backward_blocks(device, tokens, KERNELS[step][version - 1].blocks_per_sm)
+        self.blocks = _backward_blocks(device, tokens)
         self.stride = round_up(streams * hidden + coef_columns, 4)  # 16-byte aligned partial rows
         self.main = _row_launch(step, version, (streams, active, _CPP_BOOL[grad_active]), device, _row_threads(hidden),
                                 KERNELS[step][version - 1].weight_sums_bytes(streams, hidden))
