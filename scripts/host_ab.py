@@ -33,7 +33,6 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_NAME = "altup_cupy_base"
-TOKENS = (128, 256, 2048, 8192)
 COLUMNS = ("op", "impl", "tokens", "base_host_us", "host_us", "ratio", "ratio_vs_matmul", "rounds_cheaper",
            "rounds", "gpu", "base_commit", "git_sha", "date")
 
@@ -116,7 +115,7 @@ def main() -> int:
         from altup_cupy.lab import host_overhead
         from altup_cupy.lab.bench import run_info
 
-        records = measure_rounds(base.measure, host_overhead.measure, args.rounds, TOKENS)
+        records = measure_rounds(base.measure, host_overhead.measure, args.rounds, host_overhead.TOKENS)
     info = run_info()
     rows = [{**row, "base_commit": args.base_commit, **info}
             for row in summarise(records)]
