@@ -162,9 +162,20 @@ def decoder_layer_forward(installed: Callable, predict: Callable, correct: Calla
         first_prediction = torch.multiply(first_prediction, per_layer_input)
         first_prediction = self.per_layer_projection(first_prediction)
         first_prediction = self.post_per_layer_input_norm(first_prediction)
-        return AddToLaterStreams.apply(corrected_predictions, first_prediction)
+        return add_to_later_streams(corrected_predictions, first_prediction)
 
     return forward
+
+
+def add_to_later_streams(streams: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """`streams[1:] += update`, returning `streams`: through `AddToLaterStreams` where autograd
+    records the step, as a plain in-place add where it does not (inference, no_grad), which
+    torch.compile traces without a graph break (it cannot trace an autograd.Function that marks its
+    input dirty when no gradient is recorded)."""
+    if torch.is_grad_enabled() and (streams.requires_grad or update.requires_grad):
+        return AddToLaterStreams.apply(streams, update)
+    streams[1:] += update
+    return streams
 
 
 class AddToLaterStreams(torch.autograd.Function):

@@ -317,6 +317,24 @@ def test_torch_compile_adds_no_graph_break_and_matches_eager(seeds):
         _assert_close_normwise(g, eager_grads[name], name)
 
 
+def test_torch_compile_of_inference_adds_no_graph_break_and_matches_eager(seeds):
+    """The same without gradients (eval and no_grad: prefill, generation), where the layers' last
+    step is a plain in-place add: no graph break the unpatched model does not have, fullgraph
+    compiles, and the output is eager's."""
+    model = _model(seeds()).eval()
+    patched = copy.deepcopy(model)
+    gemma3n.patch(patched, serve_cpu=True, compiled_min_tokens=0)
+    ids = torch.randint(3, 64, (2, 9))
+    with torch.no_grad():
+        breaks, _ = _graph_breaks(model, ids)
+        patched_breaks, reasons = _graph_breaks(patched, ids)
+        assert patched_breaks == breaks, reasons
+        eager = patched(input_ids=ids).last_hidden_state
+        torch._dynamo.reset()
+        compiled = torch.compile(patched, backend="aot_eager", fullgraph=True)(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(compiled, eager, **FP32_TOL)
+
+
 def _compiled_operators(model, ids) -> set[str]:
     """The altup_cupy operators in the graphs torch.compile captures of one call of `model`."""
     graphs = []
