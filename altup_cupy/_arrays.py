@@ -145,8 +145,14 @@ def positive_finite(name: str, value: Any) -> float:
 
 def as_index(name: str, value: Any) -> int:
     """`value` as an int (an int, or an integer type that has `__index__`, as numpy's), or a
-    TypeError naming it; a bool is refused (True is not a stream index)."""
-    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+    TypeError naming it; a bool is refused (True is not a stream index), and so is a tensor (its
+    value would cost a device synchronisation; pass int(t)). A symbolic int (torch.compile traced
+    the argument as dynamic) passes as it is: the checks compare it, which guards on its value."""
+    if type(value) is int:
+        return value
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return int(value.__index__())
 

@@ -196,6 +196,27 @@ def test_compiles_fullgraph_with_dynamic_shapes_and_float_arguments(seeds):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def test_active_idx_changing_between_compiled_calls(seeds):
+    """A compiled function called with another active_idx recompiles with the index symbolic (or
+    traces it symbolic at once under dynamic=True): the checks compare it, the operators take it."""
+    x = random_altup_inputs(seeds(), 4, dtype=torch.float32)
+    P, Q, R, w = x.prediction_coefs, x.correction_coefs, x.router_weight, x.norm_weight
+
+    def step(hidden_states, activated, active_idx):
+        pred = altup.predict(hidden_states, P, R, w, active_idx, 1e-6)
+        return altup.correct(pred, activated, Q, R, w, active_idx, 1e-6)
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        try:
+            for active_idx in (1, 2, 3):
+                torch.testing.assert_close(compiled(x.hidden_states, x.activated, active_idx),
+                                           step(x.hidden_states, x.activated, active_idx), rtol=0, atol=0)
+        finally:
+            torch._dynamo.reset()
+
+
 def test_stacked_collapse_weights_get_their_gradient(seeds):
     """altup_cupy.collapse takes the N-1 matrices stacked in one [N-1, H, H] tensor too: the backward
     gives that tensor its gradient, the list form's stacked."""

@@ -146,7 +146,7 @@ def test_active_idx_out_of_range(a):
         predict_correct_backward(**good(), active_idx=a)
 
 
-@pytest.mark.parametrize("a", [1.0, "0", None, True])
+@pytest.mark.parametrize("a", [1.0, "0", None, True, torch.tensor(1), torch.tensor(True)])
 def test_active_idx_not_int(a):
     with pytest.raises(TypeError, match="active_idx"):
         predict_correct_backward(**good(), active_idx=a)

@@ -111,6 +111,19 @@ def test_compile_fullgraph_on_cpu_is_bitwise_eager(op):
     _assert_bitwise(compiled(*args), tuple(fn(*args)) if op != "collapse" else fn(*args), f"{op} compiled")
 
 
+def test_backward_compiled_with_a_changing_active_idx_is_bitwise_eager():
+    """Another active_idx recompiles the function with the index symbolic: it must trace."""
+    tensors, _, eps = _backward_args(3, 2, 5, 32, 0, 3, "cpu")
+    compiled = torch.compile(lambda *xs, a: tuple(altup_cupy.predict_correct_backward(*xs, a, eps)), fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        for a in (0, 1, 2):
+            _assert_bitwise(compiled(*tensors, a=a), tuple(altup_cupy.predict_correct_backward(*tensors, a, eps)),
+                            f"active_idx {a}")
+    finally:
+        torch._dynamo.reset()
+
+
 def test_opcheck_on_cpu():
     hs, ws, eps = _collapse_args(3, 2, 5, 32, 2, "cpu")
     torch.library.opcheck(torch.ops.altup_cupy.collapse.default, (hs, [ws], eps))

@@ -76,7 +76,7 @@ def _check_router(streams, hidden, router_weight, norm_weight, dtype):
 
 
 def _check_active(active_idx, streams):
-    if isinstance(active_idx, bool) or not isinstance(active_idx, int):
+    if isinstance(active_idx, bool) or not isinstance(active_idx, (int, torch.SymInt)):
         raise TypeError(f"active_idx must be an int, got {type(active_idx).__name__}")
     if not 0 <= active_idx < streams:
         raise ValueError(f"active_idx must satisfy 0 <= active_idx < N = {streams}, got {active_idx}")
