@@ -13,7 +13,9 @@
 Each is one custom operator of the `altup_cupy` namespace (see `gemma3n_altup`) with its backward
 registered through `_operators.Operator.register_autograd` (torch.library.register_autograd's
 kernel, and a shortcut for calls that record no gradient), so they compose with torch.compile
-(fullgraph) and CUDA graphs, and their CUDA backwards are bitwise deterministic. predict and
+(fullgraph) and CUDA graphs, and their CUDA backwards are bitwise deterministic. Their backwards
+are kernels with no derivative of their own: a second derivative (autograd.grad(...,
+create_graph=True) through one of them) raises a RuntimeError instead of a wrong result. predict and
 correct are separate autograd nodes: in the model `activated` is computed from the active
 prediction, and autograd runs the layer's backward between them. Gradients come back in each
 input's dtype (the kernels accumulate weight gradients in fp32 and round once).
@@ -47,6 +49,15 @@ def _like(grad, t):
     """grad in t's dtype; the same tensor when it already is (no dispatcher call: an eager backward
     runs this for every gradient)."""
     return grad if grad is None or grad.dtype == t.dtype else grad.to(t.dtype)
+
+
+def _first_order_only(op: str, *tensors) -> None:
+    """Refuse to build a graph of a backward (create_graph=True, which enables grad mode in the
+    backward) where something would be differentiated through it: the backward operators are
+    kernels that autograd would treat as constants, a silently wrong second derivative."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(f"altup_cupy: the backward of {op} is not differentiable: second derivatives "
+                           "(torch.autograd.grad(..., create_graph=True) through it) are not supported")
 
 
 def _router_scale(router_scale, x):
@@ -84,6 +95,7 @@ def _register_routed_autograd(op: str, step: str) -> None:
 
     def backward(ctx, grad, grad_active=None):
         saved = ctx.saved_tensors
+        _first_order_only(op, grad, grad_active, *saved)
         if grad_active is not None:
             grad_active = grad_active.contiguous()
         grads = backward_op(grad.contiguous(), *saved, ctx.active_idx, ctx.eps, ctx.router_scale,
@@ -160,6 +172,7 @@ def _expand_setup(ctx, inputs, output):
 
 def _expand_backward(ctx, grad_streams, _grad_projected):
     embeddings, projected, *projections = ctx.saved_tensors
+    _first_order_only("expand", grad_streams, embeddings, *projections)
     grad_x0, grad_w = _ops.expand_backward(grad_streams.contiguous(), embeddings, projections, projected, ctx.floor)
     return _like(grad_x0, embeddings), [_like(g, w) for g, w in zip(grad_w.unbind(), projections)], None
 
@@ -188,6 +201,7 @@ def _collapse_setup(ctx, inputs, output):
 
 def _collapse_backward(ctx, grad):
     hidden_states, *projections = ctx.saved_tensors
+    _first_order_only("collapse", grad, hidden_states, *projections)
     matrices = list(projections[0].unbind()) if ctx.stacked else projections
     grad_s, grad_u = _ops.collapse_backward(grad.contiguous(), hidden_states, matrices, ctx.floor)
     grad_projections = ([_like(grad_u, projections[0])] if ctx.stacked

@@ -98,6 +98,28 @@ def test_calls_that_record_no_gradient_go_straight_to_the_implementation(seeds, 
         assert len(straight) == 2 and type(fake).__name__ == "FakeTensor" and fake.shape == recorded.shape, name
 
 
+@pytest.mark.parametrize("step", ("predict", "predict_with_active", "correct", "correct_with_active", "expand",
+                                  "collapse"))
+def test_a_second_derivative_is_refused_not_wrong(seeds, step):
+    """The backwards are kernels without a derivative: create_graph=True through one raises (autograd
+    would otherwise treat the kernel's outputs as constants and drop terms)."""
+    x = random_altup_inputs(seeds(), 3, batch=1, seq=2, hidden=8)
+    h, act, P, Q, R, w, W = _leaves(x.hidden_states, x.activated, x.prediction_coefs, x.correction_coefs,
+                                    x.router_weight, x.norm_weight, x.projections)
+    calls = {"predict": lambda: altup.predict(h, P, R, w),
+             "predict_with_active": lambda: altup.predict_with_active(h, P, R, w)[1],
+             "correct": lambda: altup.correct(h, act, Q, R, w),
+             "correct_with_active": lambda: altup.correct_with_active(h, act, Q, R, w)[1],
+             "expand": lambda: altup.expand(act, list(W.unbind())),
+             "collapse": lambda: altup.collapse(h, list(W.unbind()))}
+    out = calls[step]()
+    leaves = [h, act, P, Q, R, w, W]
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        torch.autograd.grad(out.square().sum(), leaves, create_graph=True, allow_unused=True)
+    first = torch.autograd.grad(calls[step]().square().sum(), leaves, allow_unused=True)  # first order: fine
+    assert any(g is not None for g in first)
+
+
 @pytest.mark.parametrize("streams", (2, 3, 4))
 def test_expand_and_collapse_gradcheck(seeds, streams):
     x = random_altup_inputs(seeds(), streams, batch=1, seq=2, hidden=8)

@@ -59,6 +59,16 @@ def test_ops_are_registered_on_import_without_a_gpu():
     assert cupy_loaded == "False", "importing the package must not import CuPy"
 
 
+def test_collapse_is_differentiable_on_import():
+    """`import altup_cupy` alone registers collapse's backward: no autograd fallback, no warning."""
+    code = ("import warnings, torch, altup_cupy; warnings.simplefilter('error'); "
+            "h = torch.randn(3, 2, 4, 16, dtype=torch.float64, requires_grad=True); "
+            "w = torch.randn(2, 16, 16, dtype=torch.float64, requires_grad=True); "
+            "print(torch.autograd.gradcheck(lambda h, w: altup_cupy.collapse(h, w), (h, w)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("listed", [False, True])
 def test_collapse_fake_shapes(n, listed):
