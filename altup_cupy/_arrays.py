@@ -21,6 +21,9 @@ import torch
 
 from ._sources import SUPPORTED_STREAMS
 
+# The dtypes the CPU references take (the kernels take bfloat16 alone); a call's tensors share one.
+CPU_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
 # The kernels read and write rows with 16-byte vector accesses (and the bulk-copy engine), which
 # fault on a misaligned address: a view into a larger tensor can start anywhere.
 VECTOR_ALIGNMENT = 16
@@ -53,6 +56,17 @@ def _dims(names: str) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """'bfloat16' for torch.bfloat16: how the messages name a dtype."""
     return str(dtype).removeprefix("torch.")
+
+
+def call_dtype(name: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype every tensor of a call must have, decided by its first tensor `t` (named `name`):
+    bfloat16 for the kernels; on the CPU `t`'s own if the reference takes it, else a TypeError."""
+    if t.device.type != "cpu":
+        return torch.bfloat16
+    if t.dtype not in CPU_DTYPES:
+        *others, last = map(dtype_name, CPU_DTYPES)
+        raise TypeError(f"{name} must have dtype {', '.join(others)} or {last} on the CPU, got {dtype_name(t.dtype)}")
+    return t.dtype
 
 
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int | None],
@@ -99,8 +113,8 @@ def check_streams_and_width(name: str, streams: int, hidden: int, hidden_dim: st
     whole 16-byte (8-element) slices."""
     if streams not in SUPPORTED_STREAMS:
         raise ValueError(f"{name} must hold N in {SUPPORTED_STREAMS} streams (dim 0), got {streams}")
-    if hidden % 8:
-        raise ValueError(f"hidden size H ({name} {hidden_dim}) must be divisible by 8, got {hidden}")
+    if hidden <= 0 or hidden % 8:
+        raise ValueError(f"hidden size H ({name} {hidden_dim}) must be positive and divisible by 8, got {hidden}")
 
 
 def check_devices(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:

@@ -46,7 +46,7 @@ from . import gemma3n_forward
 from .ops import gemma3n_altup
 from . import torch as altup
 from ._extras import missing
-from .ops.collapse import CPU_DTYPES
+from ._arrays import CPU_DTYPES
 
 _MODELING = "transformers.models.gemma3n.modeling_gemma3n"
 _PATCHED_ATTRIBUTES = {"Gemma3nTextAltUp": ("predict", "correct"), "Gemma3nTextModel": ("forward",),

@@ -43,7 +43,7 @@ class Dialect:
     """What differs between the forwards this module reproduces."""
 
     releases: str  # the transformers releases checked to have this forward (documentation)
-    cache_keyword: str  # the keyword of the KV cache in the forward, the mask builders and the layers
+    cache_keyword: str  # the KV cache's keyword in the forward, the mask builders, the layers and the output
     kv_storage: str  # the class of the per-call store of shared KV states: "UserDict" or a modeling name
 
 
@@ -116,7 +116,7 @@ def text_model_forward(modeling, installed: Callable, expand: Callable, collapse
                                           shared_kv_states=shared_kv_states, attention_mask=masks[layer_types[i]],
                                           position_ids=position_ids, **{cache_keyword: cache}, **kwargs)
         hidden_states = self.norm(collapse(self, hidden_states))
-        return modeling.BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)
+        return modeling.BaseModelOutputWithPast(last_hidden_state=hidden_states, **{cache_keyword: cache})
 
     # The installed forward's own decorators, outermost last (KNOWN_FORWARDS pins them): defaults
     # from the config (use_cache), and the hooks that collect hidden states and attentions.

@@ -39,7 +39,7 @@ import torch
 
 from . import _arrays
 from .ops import gemma3n_altup
-from .ops.collapse import collapse_op
+from .ops.collapse import check_stacked, collapse_op
 from .reference.gemma3n import MAGNITUDE_FLOOR
 
 _ops = torch.ops.altup_cupy
@@ -61,7 +61,10 @@ def _first_order_only(op: str, *tensors) -> None:
 
 
 def _router_scale(router_scale, x):
-    return 1.0 / x.shape[-1] if router_scale is None else _arrays.positive_finite("router_scale", router_scale)
+    if router_scale is not None:
+        return _arrays.positive_finite("router_scale", router_scale)
+    hidden = x.shape[-1]
+    return 1.0 / hidden if hidden else 1.0  # H = 0: the operator refuses it by name
 
 
 def _check_tensors(names: Sequence[str], *tensors) -> None:
@@ -214,11 +217,14 @@ def _collapse_backward(ctx, grad):
 collapse_op.register_autograd(_collapse_backward, _collapse_setup)
 
 
-def collapse(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
+def collapse(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor] | torch.Tensor,
              eps: float = MAGNITUDE_FLOOR) -> torch.Tensor:
     """[B, S, H] = (s_0 + sum_k y_k rms(s_0) / sqrt(max(mean(y_k^2), eps))) / N, y_k = s_k U_k^T:
-    `altup_cupy.collapse` (the same arguments; eps: the floor of the projections' mean square,
-    transformers' 1e-5) with its backward registered."""
+    `altup_cupy.collapse` (the same arguments: N-1 matrices, or one stacked [N-1, H, H] tensor; eps:
+    the floor of the projections' mean square, transformers' 1e-5) with its backward registered."""
+    if isinstance(unembed_projs, torch.Tensor):
+        check_stacked(unembed_projs)
+        unembed_projs = [unembed_projs]
     unembed_projs = list(unembed_projs)
     _check_matrices("hidden_states", hidden_states, "unembed_projs", unembed_projs)
     return _ops.collapse(hidden_states, unembed_projs, _arrays.positive_finite("eps", eps))

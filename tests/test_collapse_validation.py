@@ -53,8 +53,14 @@ def test_hidden_states_wrong_dtype(dtype):
 
 def test_cpu_refuses_float16_and_mixed_dtypes():
     hs, ws = _inputs()
-    _raises(TypeError, "hidden_states", "bfloat16", "float16", call=lambda: collapse(hs.half(), ws))
+    _raises(TypeError, "hidden_states", "bfloat16, float32 or float64 on the CPU", "float16",
+            call=lambda: collapse(hs.half(), ws))
     _raises(TypeError, "unembed_projs", "float32", "bfloat16", call=lambda: collapse(hs.float(), ws))
+
+
+def test_zero_width_is_refused_by_name():
+    hs, ws = _inputs(h=0)
+    _raises(ValueError, "hidden_states dim 3", "positive and divisible by 8", "got 0", call=lambda: collapse(hs, ws))
 
 
 def test_stacked_weights_wrong_dtype():

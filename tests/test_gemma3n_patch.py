@@ -4,6 +4,7 @@ float32 CPU implementations): the same outputs and parameter gradients as transf
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -285,6 +286,26 @@ def test_router_norm_epsilon_reaches_the_operators(seeds, eps):
         # right moves them by 0.82.
         _assert_close_normwise(patched(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
                                "last_hidden_state")
+
+
+def test_the_output_names_the_cache_as_the_installed_release_does(seeds, monkeypatch):
+    """The patched forward fills the output's own field for the KV cache (`cache` from 5.24,
+    `past_key_values` before), not a deprecated alias that makes transformers log a warning."""
+    output = modeling.BaseModelOutputWithPast
+    keywords = []
+
+    def recording(**kwargs):
+        keywords.append(set(kwargs))
+        return output(**kwargs)
+
+    monkeypatch.setattr(modeling, "BaseModelOutputWithPast", recording)
+    model = _model(seeds()).eval()
+    gemma3n.patch(model, serve_cpu=True)
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(3, 64, (1, 5)), use_cache=True)
+    fields = {field.name for field in dataclasses.fields(output)}
+    assert keywords and all(names <= fields for names in keywords), (keywords, fields)
+    assert isinstance(out.past_key_values, transformers.Cache)
 
 
 def _graph_breaks(model, ids):

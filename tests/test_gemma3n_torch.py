@@ -271,7 +271,7 @@ def test_arguments_the_schemas_would_refuse_get_named_errors(seeds):
         altup.expand(x.activated, [x.projections[0], x.projections[1].numpy()])
     with pytest.raises(TypeError, match=r"unembed_projs\[0\] must be a torch.Tensor"):
         altup.collapse(x.hidden_states, [None, x.projections[1]])
-    with pytest.raises(ValueError, match="projections must hold N-1 >= 1 matrices"):
+    with pytest.raises(ValueError, match=r"projections must hold N-1 matrices for N in \(2, 3, 4\) streams, got 0"):
         altup.expand(x.activated, [])
 
 
@@ -292,6 +292,38 @@ def test_named_errors(seeds):
     with pytest.raises(TypeError, match="grad_active must have dtype"):
         ops.correct_backward(x.grad_streams, x.hidden_states, x.activated, x.correction_coefs, x.router_weight,
                              x.norm_weight, 0, 1e-6, 0.125, x.grad_row.double())
+
+
+def test_cpu_calls_are_held_to_the_kernels_shapes_and_one_device(seeds):
+    """What runs on the CPU runs on CUDA: N outside 2..4 and H not a positive multiple of 8 are
+    refused there too, and so is a tensor on another device (never an answer from uninitialised
+    memory)."""
+    x = random_altup_inputs(seeds(), 4, dtype=torch.float32)
+    h, act, P, Q, R, w = (x.hidden_states, x.activated, x.prediction_coefs, x.correction_coefs, x.router_weight,
+                          x.norm_weight)
+    five = torch.cat([h, h[:1]])
+    with pytest.raises(ValueError, match=r"hidden_states must hold N in \(2, 3, 4\) streams"):
+        altup.predict(five, torch.zeros(25, 5), torch.zeros(5, 16), w)
+    with pytest.raises(ValueError, match=r"hidden size H \(predictions dim 3\) must be positive and divisible by 8, got 12"):
+        altup.correct(h[..., :12], act[..., :12], Q, R[:, :12], w[:12])
+    with pytest.raises(ValueError, match="must be positive and divisible by 8, got 0"):
+        altup.predict(h[..., :0], P, R[:, :0], w[:0])
+    with pytest.raises(ValueError, match=r"projections must hold N-1 matrices for N in \(2, 3, 4\) streams, got 4"):
+        altup.expand(act, [x.projections[0]] * 4)
+    meta = {name: t.to("meta") for name, t in (("P", P), ("act", act), ("Q", Q), ("W", x.projections[1]))}
+    with pytest.raises(ValueError, match="prediction_coefs is on meta but hidden_states is on cpu"):
+        altup.predict(h, meta["P"], R, w)
+    with pytest.raises(ValueError, match="activated is on meta but predictions is on cpu"):
+        altup.correct(h, meta["act"], Q, R, w)
+    with pytest.raises(ValueError, match="correction_coefs is on meta but predictions is on cpu"):
+        altup.correct(h, act, meta["Q"], R, w)
+    with pytest.raises(ValueError, match=r"projections\[1\] is on meta but embeddings is on cpu"):
+        altup.expand(act, [x.projections[0], meta["W"], x.projections[2]])
+    ops = torch.ops.altup_cupy
+    with pytest.raises(ValueError, match="grad_predictions is on meta but hidden_states is on cpu"):
+        ops.predict_backward(x.grad_streams.to("meta"), h, P, R, w, 0, 1e-6, 1 / 16)
+    with pytest.raises(ValueError, match="grad_output is on meta but hidden_states is on cpu"):
+        ops.collapse_backward(x.grad_row.to("meta"), h, list(x.projections), 1e-5)
 
 
 def test_cuda_serves_names_the_limits():

@@ -69,7 +69,8 @@ def test_unsupported_streams(n):
         predict_correct_backward(**good(n=n))
 
 
-@pytest.mark.parametrize("h,rule", [(12, "divisible by 8"), (8200, "at most 8192"), (16384, "at most 8192")])
+@pytest.mark.parametrize("h,rule", [(12, "positive and divisible by 8"), (0, "positive and divisible by 8"),
+                                    (8200, "at most 8192"), (16384, "at most 8192")])
 def test_unsupported_hidden(h, rule):
     with pytest.raises(ValueError, match=rf"hidden size H \(grad_corrected dim 3\) must be {rule}, got {h}"):
         predict_correct_backward(**good(h=h))
@@ -236,3 +237,10 @@ def test_zero_tokens(version):
     for t, shape in zip(out[2:], [(N * N, N), (N, N), (N, H), (H,)]):
         assert t.shape == shape and t.dtype == torch.float32 and t.is_cuda
         assert bool((t == 0).all())
+
+
+def test_cpu_float16_names_the_dtypes_the_cpu_takes():
+    kw = {name: t.half() for name, t in good().items()}
+    with pytest.raises(TypeError, match="grad_corrected must have dtype bfloat16, float32 or float64 on the CPU, "
+                                        "got float16"):
+        predict_correct_backward(**kw)

@@ -21,7 +21,6 @@ from ._registry import fast_path_applies
 from .collapse_versions import PREFERENCE, VERSIONS
 
 BF16 = torch.bfloat16
-CPU_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 
 def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor], eps: Any,
@@ -30,7 +29,7 @@ def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
     launching: the tensors are about to be read by the kernels (real CUDA memory), so their
     addresses are checked too. The kernels take bf16; the CPU reference also float32 and float64
     (autograd checks in float64 run through it)."""
-    dtype = hidden_states.dtype if hidden_states.device.type == "cpu" and hidden_states.dtype in CPU_DTYPES else BF16
+    dtype = _arrays.call_dtype("hidden_states", hidden_states)
     _arrays.check_tensor("hidden_states", hidden_states, dtype, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = hidden_states.shape
     _arrays.check_streams_and_width("hidden_states", streams, hidden)
@@ -51,6 +50,13 @@ def validate(hidden_states: torch.Tensor, unembed_projs: Sequence[torch.Tensor],
     if launching:
         _arrays.check_aligned(named[:1])
     return streams, batch, seq, hidden, device, eps
+
+
+def check_stacked(unembed_projs: torch.Tensor) -> None:
+    """The N-1 matrices passed as one tensor: stacked, [N-1, H, H]."""
+    if unembed_projs.dim() != 3:
+        raise ValueError("unembed_projs must be a 3-D tensor [N-1, H, H] (or a list of N-1 [H, H] matrices), got a "
+                         f"{unembed_projs.dim()}-D tensor of shape {list(unembed_projs.shape)}")
 
 
 # The version that serves a call, picked once per shape (it caches its own plans).
@@ -110,9 +116,8 @@ def collapse(hidden_states: Any, unembed_projs: Sequence[Any] | Any, eps: float 
     cupy_in = _arrays.check_framework([("hidden_states", hidden_states), *zip(names, raw)])
     hs = _arrays.as_tensor("hidden_states", hidden_states)
     weights = [_arrays.as_tensor(n, w) for n, w in zip(names, raw)]
-    if not listed and weights[0].dim() != 3:
-        raise ValueError("unembed_projs must be a 3-D tensor [N-1, H, H] (or a list of N-1 [H, H] "
-                         f"matrices), got a {weights[0].dim()}-D tensor of shape {list(weights[0].shape)}")
+    if not listed:
+        check_stacked(weights[0])
     # Scalars are checked here too: the dispatcher would refuse a wrong type with its own words.
     eps = _arrays.positive_finite("eps", eps)
     _registry.check_number(VERSIONS, version)

@@ -17,7 +17,8 @@ steps, forward and backward.
 
 Each has a fake implementation (shapes only: torch.compile, FakeTensorMode), a CUDA implementation
 (the kernels of `gemma3n_altup_versions`: bf16 only, N in 2..4, H % 8 == 0, H <= 3072; weight
-gradients accumulated in fp32 and returned in the weights' dtype, bf16) and a CPU implementation:
+gradients accumulated in fp32 and returned in the weights' dtype, bf16) and a CPU implementation
+held to the same N and H % 8 (what runs on the CPU runs on CUDA; H <= 3072 is CUDA's alone):
 `reference.gemma3n` in float32 (float64 for float64 inputs, so torch.autograd.gradcheck runs on
 it), results in the input dtype and weight gradients in float32 (float64). router_scale is the s
 of route(x) = tanh(R (x rsqrt(mean(x^2) + eps) w s)): 1 / H, or transformers'
@@ -34,7 +35,6 @@ from .. import _arrays
 from .._operators import operator
 from ..reference import gemma3n as ref
 from . import gemma3n_altup_versions as cuda
-from .collapse import CPU_DTYPES
 
 BF16 = torch.bfloat16
 
@@ -50,21 +50,19 @@ def _check_tensor(name: str, t, shape: tuple, dims: str, dtype: torch.dtype | No
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} must have dtype {_arrays.dtype_name(dtype)} (that of the first tensor: one "
                         f"dtype per call), got {_arrays.dtype_name(t.dtype)}")
-    if t.is_cpu and t.dtype not in CPU_DTYPES:
-        *others, last = map(_arrays.dtype_name, CPU_DTYPES)
-        raise TypeError(f"{name} must have dtype {', '.join(others)} or {last} on the CPU, "
-                        f"got {_arrays.dtype_name(t.dtype)}")
+    if t.is_cpu:
+        _arrays.call_dtype(name, t)
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     _arrays.check_shape(name, t, shape, dims)
 
 
 def _check_streams_rows(streams_name: str, streams_t, rows: Sequence[tuple[str, torch.Tensor]] = ()):
-    """An [N, B, S, H] tensor and rows [B, S, H] of the same B, S, H; returns (N, H)."""
+    """An [N, B, S, H] tensor of a stream count and width the kernels are built for (on the CPU
+    too: what runs on the CPU runs on CUDA), and rows [B, S, H] of the same B, S, H; returns (N, H)."""
     _check_tensor(streams_name, streams_t, (None, None, None, None), "N B S H")
     n, b, s, h = streams_t.shape
-    if not 2 <= n:
-        raise ValueError(f"{streams_name} must hold N >= 2 streams (dim 0), got {n}")
+    _arrays.check_streams_and_width(streams_name, n, h)
     for name, t in rows:
         _check_tensor(name, t, (b, s, h), "B S H", streams_t.dtype)
     return n, h
@@ -164,11 +162,15 @@ def _weight_grad_dtype(t: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 # ---- predict -----------------------------------------------------------------------------------
 
+_PREDICT_NAMES = ("hidden_states", "prediction_coefs", "router_weight", "norm_weight")
+
+
 def _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx):
     streams, hidden = _check_streams_rows("hidden_states", hidden_states)
     _check_tensor("prediction_coefs", prediction_coefs, (streams * streams, streams), "N*N N", hidden_states.dtype)
     _check_router(streams, hidden, router_weight, norm_weight, hidden_states.dtype)
     _check_active(active_idx, streams)
+    _arrays.check_devices(list(zip(_PREDICT_NAMES, (hidden_states, prediction_coefs, router_weight, norm_weight))))
     return streams, hidden
 
 
@@ -181,8 +183,7 @@ def _predict_forward(hidden_states, prediction_coefs, router_weight, norm_weight
             pred = ref.predict_forward(*args, active_idx, eps, _compute_dtype(hidden_states), router_scale)
             pred = pred.to(hidden_states.dtype)
             return (pred, pred[active_idx].clone()) if with_active else pred
-        _check_cuda(list(zip(("hidden_states", "prediction_coefs", "router_weight", "norm_weight"), args)),
-                    streams, hidden)
+        _check_cuda(list(zip(_PREDICT_NAMES, args)), streams, hidden)
     if hidden_states.numel() == 0:
         pred = torch.empty_like(hidden_states)
         return (pred, torch.empty_like(hidden_states[0])) if with_active else pred
@@ -218,10 +219,15 @@ def _(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, e
     return torch.empty_like(hidden_states), torch.empty_like(hidden_states[0])
 
 
-def _check_grad_active(grad_active, grad) -> None:
-    """grad_active: None, or a [B, S, H] tensor of `grad`'s dtype (grad: [N, B, S, H])."""
+def _check_grads(grad_name: str, grad, grad_active, streams_name: str, streams_t) -> None:
+    """The incoming gradient of an [N, B, S, H] output, `grad` (of `streams_t`'s shape), and of its
+    active row, grad_active (None, or [B, S, H] of grad's dtype), on `streams_t`'s device."""
+    _check_tensor(grad_name, grad, tuple(streams_t.shape), "N B S H")
+    named = [(streams_name, streams_t), (grad_name, grad)]
     if grad_active is not None:
         _check_tensor("grad_active", grad_active, tuple(grad.shape[1:]), "B S H", grad.dtype)
+        named.append(("grad_active", grad_active))
+    _arrays.check_devices(named)
 
 
 def _with_grad_active(grad: torch.Tensor, grad_active, active_idx: int) -> torch.Tensor:
@@ -232,6 +238,13 @@ def _with_grad_active(grad: torch.Tensor, grad_active, active_idx: int) -> torch
     grad = grad.clone()
     grad[active_idx] += grad_active
     return grad
+
+
+def _validate_predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
+                               active_idx, grad_active):
+    streams, hidden = _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
+    _check_grads("grad_predictions", grad_predictions, grad_active, "hidden_states", hidden_states)
+    return streams, hidden
 
 
 @operator("predict_backward(Tensor grad_predictions, Tensor hidden_states, Tensor prediction_coefs, "
@@ -246,9 +259,7 @@ def predict_backward(grad_predictions: torch.Tensor, hidden_states: torch.Tensor
     if not _kernels_take(hidden_states, active_idx, (prediction_coefs, router_weight, norm_weight, grad_predictions,
                                                      *extra),
                          lambda n, b, s, h: (*_predict_shapes(n, b, s, h), (n, b, s, h), *((b, s, h),) * len(extra))):
-        streams, hidden = _validate_predict(*args[1:], active_idx)
-        _check_tensor("grad_predictions", grad_predictions, tuple(hidden_states.shape), "N B S H")
-        _check_grad_active(grad_active, grad_predictions)
+        streams, hidden = _validate_predict_backward(*args, active_idx, grad_active)
         if not hidden_states.is_cuda:
             grad = _with_grad_active(grad_predictions, grad_active, active_idx)
             grads = ref.predict_backward(grad, *args[1:], active_idx, eps, _compute_dtype(hidden_states), router_scale)
@@ -282,8 +293,8 @@ def _zero_projection_grads(activations, projections):
 @predict_backward.register_fake
 def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight, active_idx, eps, router_scale,
       grad_active=None):
-    _validate_predict(hidden_states, prediction_coefs, router_weight, norm_weight, active_idx)
-    _check_grad_active(grad_active, grad_predictions)
+    _validate_predict_backward(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_weight,
+                               active_idx, grad_active)
     return (torch.empty_like(hidden_states),
             *(w.new_empty(w.shape, dtype=_weight_grad_dtype(hidden_states, w))
               for w in (prediction_coefs, router_weight, norm_weight)))
@@ -291,15 +302,17 @@ def _(grad_predictions, hidden_states, prediction_coefs, router_weight, norm_wei
 
 # ---- correct -----------------------------------------------------------------------------------
 
+_CORRECT_NAMES = ("predictions", "activated", "correction_coefs", "router_weight", "norm_weight")
+
+
 def _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx):
     streams, hidden = _check_streams_rows("predictions", predictions, [("activated", activated)])
     _check_tensor("correction_coefs", correction_coefs, (streams, streams), "N N", predictions.dtype)
     _check_router(streams, hidden, router_weight, norm_weight, predictions.dtype)
     _check_active(active_idx, streams)
+    _arrays.check_devices(list(zip(_CORRECT_NAMES, (predictions, activated, correction_coefs, router_weight,
+                                                    norm_weight))))
     return streams, hidden
-
-
-_CORRECT_NAMES = ("predictions", "activated", "correction_coefs", "router_weight", "norm_weight")
 
 
 def _correct_forward(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
@@ -361,8 +374,7 @@ def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, ac
     if not _kernels_take(predictions, active_idx, (*args[1:], grad_corrected, *extra),
                          lambda n, b, s, h: (*_correct_shapes(n, b, s, h), (n, b, s, h), *((b, s, h),) * len(extra))):
         streams, hidden = _validate_correct(*args, active_idx)
-        _check_tensor("grad_corrected", grad_corrected, tuple(predictions.shape), "N B S H")
-        _check_grad_active(grad_active, grad_corrected)
+        _check_grads("grad_corrected", grad_corrected, grad_active, "predictions", predictions)
         if not predictions.is_cuda:
             grad = _with_grad_active(grad_corrected, grad_active, active_idx)
             grads = ref.correct_backward(grad, *args, active_idx, eps, _compute_dtype(predictions), router_scale)
@@ -378,7 +390,7 @@ def correct_backward(grad_corrected: torch.Tensor, predictions: torch.Tensor, ac
 def _(grad_corrected, predictions, activated, correction_coefs, router_weight, norm_weight, active_idx, eps,
       router_scale, grad_active=None):
     _validate_correct(predictions, activated, correction_coefs, router_weight, norm_weight, active_idx)
-    _check_grad_active(grad_active, grad_corrected)
+    _check_grads("grad_corrected", grad_corrected, grad_active, "predictions", predictions)
     return (torch.empty_like(predictions), torch.empty_like(activated),
             *(w.new_empty(w.shape, dtype=_weight_grad_dtype(predictions, w))
               for w in (correction_coefs, router_weight, norm_weight)))
@@ -388,10 +400,13 @@ def _(grad_corrected, predictions, activated, correction_coefs, router_weight, n
 
 def _validate_expand(embeddings, projections):
     _check_tensor("embeddings", embeddings, (None, None, None), "B S H")
-    if not projections:
-        raise ValueError("projections must hold N-1 >= 1 matrices (N >= 2 streams), got none")
     streams, hidden = len(projections) + 1, embeddings.shape[-1]
+    if streams not in cuda.STREAMS:
+        raise ValueError(f"projections must hold N-1 matrices for N in {cuda.STREAMS} streams, got "
+                         f"{len(projections)}")
+    _arrays.check_streams_and_width("embeddings", streams, hidden, "dim 2")
     _check_projections(projections, streams, hidden, embeddings.dtype)
+    _arrays.check_devices([("embeddings", embeddings), *_named_projections(projections)])
     return streams, hidden
 
 
@@ -425,6 +440,14 @@ def _(embeddings, projections, floor):
                                  dtype=torch.float32 if embeddings.is_cuda else _compute_dtype(embeddings)))
 
 
+def _validate_expand_backward(grad_streams, embeddings, projections, projected):
+    streams, hidden = _validate_expand(embeddings, projections)
+    _check_tensor("grad_streams", grad_streams, (streams, *embeddings.shape), "N B S H")
+    _check_tensor("projected", projected, (*embeddings.shape[:-1], streams - 1, hidden), "B S N-1 H")
+    _arrays.check_devices([("embeddings", embeddings), ("grad_streams", grad_streams), ("projected", projected)])
+    return streams, hidden
+
+
 @operator("expand_backward(Tensor grad_streams, Tensor embeddings, Tensor[] projections, Tensor projected, "
           "float floor) -> (Tensor, Tensor)")
 def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projections: list[torch.Tensor],
@@ -433,9 +456,7 @@ def expand_backward(grad_streams: torch.Tensor, embeddings: torch.Tensor, projec
     if not (_kernels_take(grad_streams, 0, (embeddings, *projections),
                           lambda n, b, s, h: ((b, s, h), *_projection_shapes(n, b, s, h)))
             and _projected_ready(projected, embeddings)):
-        streams, hidden = _validate_expand(embeddings, projections)
-        _check_tensor("grad_streams", grad_streams, (streams, *embeddings.shape), "N B S H")
-        _check_tensor("projected", projected, (*embeddings.shape[:-1], streams - 1, hidden), "B S N-1 H")
+        streams, hidden = _validate_expand_backward(grad_streams, embeddings, projections, projected)
         if not embeddings.is_cuda:
             return _expand_backward_cpu(grad_streams, embeddings, projections, projected, floor)
         _check_cuda([("grad_streams", grad_streams), ("embeddings", embeddings), *_named_projections(projections)],
@@ -467,7 +488,7 @@ def _expand_backward_cpu(grad_streams, embeddings, projections, projected, floor
 
 @expand_backward.register_fake
 def _(grad_streams, embeddings, projections, projected, floor):
-    _validate_expand(embeddings, projections)
+    _validate_expand_backward(grad_streams, embeddings, projections, projected)
     return torch.empty_like(embeddings), _stacked_like(embeddings, projections)
 
 
@@ -476,6 +497,14 @@ def _(grad_streams, embeddings, projections, projected, floor):
 def _validate_collapse(hidden_states, projections):
     streams, hidden = _check_streams_rows("hidden_states", hidden_states)
     _check_projections(projections, streams, hidden, hidden_states.dtype)
+    _arrays.check_devices([("hidden_states", hidden_states), *_named_projections(projections)])
+    return streams, hidden
+
+
+def _validate_collapse_backward(grad_output, hidden_states, projections):
+    streams, hidden = _validate_collapse(hidden_states, projections)
+    _check_tensor("grad_output", grad_output, tuple(hidden_states.shape[1:]), "B S H")
+    _arrays.check_devices([("hidden_states", hidden_states), ("grad_output", grad_output)])
     return streams, hidden
 
 
@@ -486,8 +515,7 @@ def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, pr
     _check_floor(floor)
     if not _kernels_take(hidden_states, 0, (grad_output, *projections),
                          lambda n, b, s, h: ((b, s, h), *_projection_shapes(n, b, s, h))):
-        streams, hidden = _validate_collapse(hidden_states, projections)
-        _check_tensor("grad_output", grad_output, tuple(hidden_states.shape[1:]), "B S H")
+        streams, hidden = _validate_collapse_backward(grad_output, hidden_states, projections)
         if not hidden_states.is_cuda:
             grads = ref.collapse_backward(grad_output, hidden_states, projections, floor,
                                           _compute_dtype(hidden_states))
@@ -501,6 +529,6 @@ def collapse_backward(grad_output: torch.Tensor, hidden_states: torch.Tensor, pr
 
 @collapse_backward.register_fake
 def _(grad_output, hidden_states, projections, floor):
-    _validate_collapse(hidden_states, projections)
+    _validate_collapse_backward(grad_output, hidden_states, projections)
     return torch.empty_like(hidden_states), _stacked_like(hidden_states, projections)
 

@@ -18,7 +18,6 @@ from .._operators import operator
 from ..reference import predict_correct_backward_reference
 from . import _registry
 from ._registry import fast_path_applies
-from .collapse import CPU_DTYPES
 from .predict_correct_backward_versions import MAX_HIDDEN, PREFERENCE, VERSIONS
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
@@ -41,7 +40,7 @@ def validate(g, hs, act, P, Q, R, w, active_idx, eps):
     one dtype (as the collapse). The common case (everything right) costs a few attribute reads
     per tensor; the checks in their fixed order, with the messages, run only when one of them
     fails."""
-    dtype = g.dtype if g.device.type == "cpu" and g.dtype in CPU_DTYPES else BF16
+    dtype = _arrays.call_dtype("grad_corrected", g)
     _arrays.check_tensor("grad_corrected", g, dtype, (None, None, None, None), "N B S H")
     streams, batch, seq, hidden = g.shape
     _arrays.check_streams_and_width("grad_corrected", streams, hidden)
