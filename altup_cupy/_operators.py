@@ -9,10 +9,17 @@ operator is one schema, one implementation for the CPU and CUDA dispatch keys, a
 implementation for torch.compile.
 
 `Operator.register_autograd` makes it differentiable with torch's own autograd kernel
-(`torch.library.register_autograd`'s), behind one shortcut: a call that records no gradient on
-plain CPU or CUDA tensors (a compiled graph's calls, inference, no_grad) goes straight to the
-implementation instead of through that kernel's Python layers and a second dispatch, which cost
-more than the dispatcher call itself (the `Library` and `Operator` rows of op_registration.csv).
+(`torch.library.register_autograd`'s), behind two shortcuts for calls on plain CPU or CUDA
+tensors, where that kernel's Python layers (a dataclass per call, the schema's defaults filled
+in, a second dispatch) cost more than the dispatcher call itself (the `Library` and `Operator` rows
+of op_registration.csv):
+- a call that records no gradient (a compiled graph's calls, inference, no_grad) goes straight to
+  the implementation;
+- a call that records one, of an operator without tensor-list arguments (the per-layer predict
+  and correct), goes through a plain `torch.autograd.Function` around the implementation, with the
+  same setup_context and backward.
+Anything else (tensor lists, fake, functional or otherwise wrapped tensors: torch.compile's
+tracing) takes torch's kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Callable
 
 import torch
 from torch._library import autograd as library_autograd
+from torch._library import utils as library_utils
 
 NAMESPACE = "altup_cupy"
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -53,17 +61,36 @@ class Operator:
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         """Differentiable as `torch.library.register_autograd(qualname, backward,
-        setup_context=setup_context)` makes it, with the shortcut of the module docstring."""
+        setup_context=setup_context)` makes it, with the shortcuts of the module docstring."""
         overload = getattr(getattr(torch.ops, self.namespace), self.name).default
         recording = library_autograd.make_autograd_impl(overload, library_autograd.Info(backward, setup_context))
+        schema = overload._schema
+        flat = not any(library_utils.is_tensorlist_like_type(a.type) for a in (*schema.arguments, *schema.returns))
+        node = _plain_node(self.impl, backward, setup_context) if flat else None
 
         def autograd_kernel(keyset, *args, **kwargs):
-            if ((keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _PLAIN_BACKENDS
-                    and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))):
-                return self.impl(*args, **kwargs)
+            if (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _PLAIN_BACKENDS:
+                if not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+                    return self.impl(*args, **kwargs)
+                if node is not None and not kwargs:
+                    return node.apply(*args)
             return recording(keyset, *args, **kwargs)
 
         self._library.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _plain_node(impl: Callable, backward: Callable, setup_context: Callable) -> type:
+    """An autograd.Function whose forward runs `impl` and `setup_context(ctx, inputs, output)`,
+    and whose backward is `backward`: what torch's kernel builds, without its per-call layers."""
+
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = impl(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(f"{getattr(impl, '__name__', 'operator')}_node", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 def operator(schema: str) -> Callable[[Callable], Operator]:
