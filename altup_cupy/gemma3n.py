@@ -36,6 +36,7 @@ and have a shape the kernels serve; `patch(model, serve_cpu=...)` sets it for th
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from types import MethodType
@@ -67,6 +68,10 @@ def _modeling():
         return importlib.import_module(_MODELING)
     except ImportError as error:
         raise missing("transformers with Gemma 3n (>= 5.17)", "gemma3n", error.name) from error
+
+
+def _modeling_layers():
+    return importlib.import_module("transformers.modeling_layers")
 
 
 def _original(cls: type, name: str):
@@ -209,12 +214,31 @@ def _layer_forward(modeling):
                       "transformers' forward", stacklevel=3)
         return None
 
-    def forward(self, hidden_states, *args, **kwargs):
+    # From transformers 5.23 the layer class's forward is a wrapper that checkpoints the layer's own
+    # forward (gradient checkpointing moved there from GradientCheckpointingLayer.__call__); this
+    # forward replaces that wrapper, so it checkpoints itself, and falls back on the forward inside.
+    checkpoints_in_forward = "__call__" not in vars(_modeling_layers().GradientCheckpointingLayer)
+    inner = original.__wrapped__ if checkpoints_in_forward else original
+
+    def serve(self, hidden_states, *args, **kwargs):
         if _left_to_inductor(self, _rows(hidden_states)) or _unserved(
                 self, "AltUp predict/correct", (hidden_states, *_predict_weights(self.altup)),
                 self.config.altup_num_inputs, hidden_states.shape[-1]):
-            return original(self, hidden_states, *args, **kwargs)
+            return inner(self, hidden_states, *args, **kwargs)
         return patched(self, hidden_states, *args, **kwargs)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        # As transformers' wrapper: only the forward that module calls checkpoints (a subclass's
+        # wrapper around this one, as FSDP2's, checkpoints instead), only while training with
+        # gradients, and without the KV cache, which the recomputation would update twice.
+        if (checkpoints_in_forward and self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+                and getattr(self.forward, "__func__", None) is forward):
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            if not self._can_checkpoint_with_cache:
+                kwargs.update({name: None for name in ("cache", "past_key_values", "layer_past") if name in kwargs})
+            return self._gradient_checkpointing_func(functools.partial(serve, self, **kwargs), hidden_states, *args)
+        return serve(self, hidden_states, *args, **kwargs)
 
     forward.__doc__, forward.__wrapped__ = original.__doc__, original
     return forward

@@ -308,6 +308,27 @@ def test_the_output_names_the_cache_as_the_installed_release_does(seeds, monkeyp
     assert isinstance(out.past_key_values, transformers.Cache)
 
 
+@pytest.mark.parametrize("class_patch", (False, True))
+def test_gradient_checkpointing_recomputes_the_patched_layers(seeds, op_calls, class_patch):
+    """With gradient checkpointing on, each patched layer runs again in the backward (its MLP twice
+    a step, as in transformers' model) and the gradients are transformers' with checkpointing."""
+    model = _model(seeds()).train()
+    model.gradient_checkpointing_enable()
+    patched = copy.deepcopy(model)
+    mlp_runs = []
+    patched.layers[0].mlp.register_forward_hook(lambda *_: mlp_runs.append(1))
+    ids = torch.randint(3, 64, (2, 9))
+    grad_seed = seeds()
+    expected_out, expected_grads = _run(model, ids, grad_seed)
+    gemma3n.patch(None if class_patch else patched, serve_cpu=True)
+    out, grads = _run(patched, ids, grad_seed)
+    assert op_calls["predict"] > 0, "the patched layers did not run on the operators"
+    assert len(mlp_runs) == 2, f"layer 0 ran {len(mlp_runs)} times, not forward + recomputation"
+    torch.testing.assert_close(out, expected_out, **FP32_TOL)
+    for name, g in grads.items():
+        _assert_close_normwise(g, expected_grads[name], name)
+
+
 def _graph_breaks(model, ids):
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model)(input_ids=ids)
