@@ -103,6 +103,9 @@ def cmd_bench(args) -> int:
             print(f"No GPU: {why}.\nNot measuring. Replaying the recorded results from {results_dir}:\n")
             print(report.markdown_tables(results_dir))
             _regenerate(results_dir, args.figures_dir, False)
+        if args.update_readme:
+            print("--update-readme: nothing was measured, so the README is left as it is "
+                  "(`python -m altup_cupy figures --update-readme` rewrites it from the recorded results)")
         return 0
     import torch
 

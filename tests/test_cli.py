@@ -248,3 +248,13 @@ def test_op_registration_refuses_a_folder_as_its_csv(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         op_registration.main(["--out", str(tmp_path)])
     assert exit_info.value.code == 2 and "is a folder" in capsys.readouterr().err
+
+
+def test_occupancy_help_compiles_nothing(capsys):
+    """`python -m altup_cupy.lab.occupancy --help` prints its usage (the table takes ~3 minutes of
+    compiling and overwrites the recorded CSV by default: --help must not start it)."""
+    from altup_cupy.lab import occupancy
+
+    with pytest.raises(SystemExit) as done:
+        occupancy.main(["--help"])
+    assert done.value.code == 0 and "--out" in capsys.readouterr().out

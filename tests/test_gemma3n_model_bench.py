@@ -4,6 +4,7 @@ CSV it appends to, and the configs it builds for the GPU (counted on the meta de
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,16 @@ def test_rows_append_resume_and_keep_their_header(tmp_path, capsys):
     other.write_text("op,impl\n")
     with pytest.raises(ValueError, match="columns"):
         bench.append_row(other, dict.fromkeys(bench.COLUMNS, ""))
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_case(tmp_path):
+    """A path the process cannot create is refused up front (permission bits alone would not say:
+    root may write anywhere but in /proc), and a checked new file is not left behind."""
+    with pytest.raises(ValueError, match="cannot be written"):
+        bench.check_writable(Path("/proc/altup_cupy_model.csv"))
+    fresh = tmp_path / "made" / "model.csv"
+    bench.check_writable(fresh)
+    assert fresh.parent.is_dir() and not fresh.exists()
 
 
 def test_a_failed_case_writes_no_row_and_the_run_goes_on(tmp_path, monkeypatch, capsys):

@@ -59,6 +59,13 @@ def test_kernel_source_quotes_a_definition_with_its_file():
         nbs.kernel_source("no_such_kernel")
 
 
+def test_kernel_sources_are_named_from_an_installed_package_too(monkeypatch):
+    """Without a checkout (an installed package) a file is named from the folder the package lies in."""
+    monkeypatch.setattr(nbs, "REPO_ROOT", None)
+    assert nbs.kernel_source("block_sum").startswith("// altup_cupy/kernels/")
+    assert nbs.file_header("block_sum").startswith("// altup_cupy/kernels/")
+
+
 def test_cpu_mode_names_the_recorded_commit_and_the_checkout_commit(fake_results, monkeypatch, capsys):
     fake_results.mkdir(parents=True)
     (fake_results / "bench_collapse_benchmark.csv").write_text(

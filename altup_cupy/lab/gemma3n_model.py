@@ -416,6 +416,17 @@ def check_writable(path: Path, columns: Sequence[str] = COLUMNS) -> None:
             header = next(csv.reader(f), [])
         if tuple(header) != tuple(columns):
             raise ValueError(f"{path} has columns {header}, not {list(columns)}: choose another --out")
+    # Writable, found by opening it for appending (permission bits say nothing on /sys or /proc,
+    # or for root); the folder is made now, as the first row would make it, and a new file removed.
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{path} cannot be written: {error.strerror or error}") from None
+    if not existed:
+        path.unlink()
 
 
 def append_row(path: Path, values: dict, columns: Sequence[str] = COLUMNS) -> None:

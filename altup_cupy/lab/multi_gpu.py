@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from .._extras import require
 from .bench import run_info
-from .gemma3n_model import append_row, build_model, text_token_ids
+from .gemma3n_model import append_row, build_model, check_writable, text_token_ids
 from .paths import results_dir
 
 ENGINES = ("ddp", "fsdp2")
@@ -213,11 +213,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("needs CUDA GPUs (or --device cpu --config tiny for the CPU path)", file=sys.stderr)
         return 2
     tqdm = require("tqdm.auto", "bench").tqdm
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"  # one GPU model a host
+    out = args.out if args.out is not None else results_dir(device_name) / f"multi_gpu_{args.engine}.csv"
+    if os.environ.get("RANK", "0") == "0":  # the rank that writes the rows; torchrun ends the others
+        try:
+            check_writable(out, COLUMNS)
+        except ValueError as error:
+            print(f"multi_gpu: --out: {error}", file=sys.stderr)
+            return 2
     device = init_distributed(args.device)
     try:
         rank, ranks = dist.get_rank(), dist.get_world_size()
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        out = args.out if args.out is not None else results_dir(device_name) / f"multi_gpu_{args.engine}.csv"
         info = run_info()
         if rank == 0:
             print(f"{args.engine} on {ranks} x {device_name}, {args.config}, {args.steps} steps of "

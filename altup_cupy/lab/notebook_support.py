@@ -70,9 +70,19 @@ def mode(verbose: bool = True) -> str:
             folder = results_dir()
             rec = recorded_provenance(folder)
             print(f"CPU mode ({reason}).\nReplaying the recorded CSVs of altup_cupy at git {rec['git_sha']}, "
-                  f"recorded on {rec['gpu']} ({rec['date']}), from {folder.relative_to(REPO_ROOT)}/; "
+                  f"recorded on {rec['gpu']} ({rec['date']}), from {_shown(folder)}/; "
                   f"derivations and kernel sources from altup_cupy at git {checkout_commit()}.")
     return chosen
+
+
+def _shown(path: Path) -> str:
+    """How the notebooks name a file: from the checkout's root, or from the folder an installed
+    package lies in (where there is no checkout); absolute if it is under neither."""
+    root = REPO_ROOT if REPO_ROOT is not None else PACKAGE_DIR.parent
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return path.as_posix()
 
 
 def _source_files() -> list[Path]:
@@ -114,7 +124,7 @@ def kernel_source(name: str, comment: bool = True) -> str:
             if seen and depth == 0:
                 end = j
                 break
-        return f"// {path.relative_to(REPO_ROOT).as_posix()}\n" + "\n".join(lines[first:end + 1])
+        return f"// {_shown(path)}\n" + "\n".join(lines[first:end + 1])
     raise KeyError(f"{name} is defined in none of the package's CUDA sources")
 
 
@@ -128,7 +138,7 @@ def file_header(name: str) -> str:
                 if not line.startswith("//"):
                     break
                 header.append(line)
-            return f"// {path.relative_to(REPO_ROOT).as_posix()}\n" + "\n".join(header)
+            return f"// {_shown(path)}\n" + "\n".join(header)
     raise KeyError(f"{name} is defined in none of the package's CUDA sources")
 
 

@@ -15,6 +15,7 @@ it). The per-architecture limits are `altup_cupy._occupancy.SM_LIMITS`.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import struct
 from pathlib import Path
@@ -105,5 +106,18 @@ def read_occupancy(path: Path | str = RECORDED_OCCUPANCY) -> list[dict]:
                 for row in csv.DictReader(f)]
 
 
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m altup_cupy.lab.occupancy",
+                                     description="Compile every kernel offline (about 3 minutes) and write the "
+                                                 "occupancy table.")
+    parser.add_argument("--out", type=Path, default=RECORDED_OCCUPANCY,
+                        help=f"the CSV (default: {RECORDED_OCCUPANCY}, the recorded table the notebooks read)")
+    args = parser.parse_args(argv)
+    if args.out.is_dir():
+        parser.error(f"--out {args.out} is a folder: give the CSV file")
+    print(f"wrote {write_csv(args.out)}")
+    return 0
+
+
 if __name__ == "__main__":
-    print(f"wrote {write_csv(RECORDED_OCCUPANCY)}")
+    raise SystemExit(main())
