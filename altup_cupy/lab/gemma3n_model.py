@@ -561,8 +561,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m altup_cupy.lab.gemma3n_model",
                                      description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=(*CONFIGS, "all"), default="all",
-                        help="which model (all: mini then e2b; tiny is for --device cpu)")
+    parser.add_argument("--config", choices=(*CONFIGS, "all"), default=None,
+                        help="which model (all: mini then e2b; tiny is for --device cpu; default: all on "
+                             "cuda, tiny on cpu)")
     parser.add_argument("--tasks", type=_parse_list(TASKS), default=None,
                         help="comma-separated, of train,prefill (default: both)")
     parser.add_argument("--modes", type=_parse_list(MODES), default=None,
@@ -595,6 +596,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--reps must be >= 1 and --warmup >= 0")
     if args.compiled_min_tokens is not None and args.compiled_min_tokens < 0:
         parser.error("--compiled-min-tokens must be >= 0")
+    if args.time_limit_s is not None and args.time_limit_s < 0:
+        parser.error("--time-limit-s must be >= 0")
+    if args.config is None:
+        args.config = "tiny" if args.device == "cpu" else "all"
     return args
 
 
