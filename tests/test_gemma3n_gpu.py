@@ -439,15 +439,7 @@ def _train(model, batches, steps):
 
 
 def test_training_converges_like_transformers(seeds):
-    torch.manual_seed(seeds())
-    config = tiny_text_config(streams=STREAMS, hidden=256, layers=4, vocab_size=512, vocab_size_per_layer_input=512,
-                              intermediate_size=512, num_attention_heads=4, head_dim=64, max_position_embeddings=128)
-    start = modeling.Gemma3nForCausalLM(config).to("cuda", torch.float32)
-    with torch.no_grad():
-        for layer in start.model.layers:
-            layer.altup.prediction_coefs.weight.normal_(0.0, 0.5)
-            layer.altup.correction_coefs.weight.normal_(0.0, 0.5)
-    start = start.to(torch.bfloat16).train()
+    start = _small_causal_lm(seeds(), torch.float32).to(torch.bfloat16)
     batches = [torch.randint(3, 512, (4, 128), device="cuda") for _ in range(5)]
     eager_losses, eager = _train(copy.deepcopy(start), batches, TRAIN_STEPS)
     _, fp32 = _train(copy.deepcopy(start).float(), batches, TRAIN_STEPS)
@@ -469,11 +461,13 @@ def test_training_converges_like_transformers(seeds):
 
 # ---- torch.compile of the patched model ----------------------------------------------------------
 
-def _small_causal_lm(seed):
+def _small_causal_lm(seed, dtype=torch.float64):
+    """A 4-layer causal LM on the GPU in `dtype`, in training mode, its AltUp coefficients drawn
+    with std 0.5 (transformers initialises them to 0)."""
     torch.manual_seed(seed)
     config = tiny_text_config(streams=STREAMS, hidden=256, layers=4, vocab_size=512, vocab_size_per_layer_input=512,
                               intermediate_size=512, num_attention_heads=4, head_dim=64, max_position_embeddings=128)
-    model = modeling.Gemma3nForCausalLM(config).to("cuda", torch.float64)
+    model = modeling.Gemma3nForCausalLM(config).to("cuda", dtype)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.altup.prediction_coefs.weight.normal_(0.0, 0.5)

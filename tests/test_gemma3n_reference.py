@@ -54,22 +54,16 @@ def test_correct_backward_matches_autograd(seeds, streams, active, router_scale)
         _close(g, e, name)
 
 
+@pytest.mark.parametrize("step", ("expand", "collapse"))
 @pytest.mark.parametrize("streams", (2, 3, 4))
-def test_expand_backward_matches_autograd(seeds, streams):
+def test_expand_and_collapse_backward_match_autograd(seeds, streams, step):
+    """expand: embeddings -> N streams (incoming gradient [N, B, S, H]); collapse: N streams -> one
+    row (incoming gradient [B, S, H])."""
     x = random_altup_inputs(seeds(), streams)
-    args = (x.activated, x.projections)
-    expected = _autograd(lambda e, p: ref.expand_forward(e, list(p)), args, x.grad_streams)
-    got = ref.expand_backward(x.grad_streams, x.activated, list(x.projections))
-    for name, g, e in zip(got._fields, got, expected):
-        _close(g, e, name)
-
-
-@pytest.mark.parametrize("streams", (2, 3, 4))
-def test_collapse_backward_matches_autograd(seeds, streams):
-    x = random_altup_inputs(seeds(), streams)
-    args = (x.hidden_states, x.projections)
-    expected = _autograd(lambda s, p: ref.collapse_forward(s, list(p)), args, x.grad_row)
-    got = ref.collapse_backward(x.grad_row, x.hidden_states, list(x.projections))
+    first, grad = (x.activated, x.grad_streams) if step == "expand" else (x.hidden_states, x.grad_row)
+    forward, backward = getattr(ref, f"{step}_forward"), getattr(ref, f"{step}_backward")
+    expected = _autograd(lambda a, p: forward(a, list(p)), (first, x.projections), grad)
+    got = backward(grad, first, list(x.projections))
     for name, g, e in zip(got._fields, got, expected):
         _close(g, e, name)
 

@@ -253,18 +253,23 @@ def test_compile_reduce_overhead_bitwise(op, shape, seeds):
         _assert_bitwise(got, fn(*args), f"{op} {shape} reduce-overhead round {round_}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("version", sorted(COLLAPSE_VERSIONS))
-def test_collapse_every_version_captures(version, seeds):
-    hs, ws, eps = _collapse_gpu(COLLAPSE_SHAPES[0], seeds())
-    fn = lambda: altup_cupy.collapse(hs, ws, eps, version=version)  # noqa: E731
+def _assert_replay_is_eager(fn, what):
+    """fn() captured into a CUDA graph (after one eager call: compiled and planned outside the
+    capture) and replayed gives an eager call's bits."""
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fn()
     graph.replay()
     torch.cuda.synchronize()
-    _assert_bitwise(captured, fn(), f"collapse v{version} graph")
+    _assert_bitwise(captured, fn(), what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", sorted(COLLAPSE_VERSIONS))
+def test_collapse_every_version_captures(version, seeds):
+    hs, ws, eps = _collapse_gpu(COLLAPSE_SHAPES[0], seeds())
+    _assert_replay_is_eager(lambda: altup_cupy.collapse(hs, ws, eps, version=version), f"collapse v{version} graph")
 
 
 @pytest.mark.gpu
@@ -276,11 +281,5 @@ def test_backward_every_version_captures(version, seeds):
     chosen = BACKWARD_VERSIONS[version]
     if not chosen.runs_on(facts(torch.cuda.current_device())[0], args[0].shape[0], args[0].shape[-1]):
         pytest.skip(f"version {version} does not run on this GPU and shape")
-    fn = lambda: tuple(altup_cupy.predict_correct_backward(*args, version=version))  # noqa: E731
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    _assert_bitwise(captured, fn(), f"backward v{version} graph")
+    _assert_replay_is_eager(lambda: tuple(altup_cupy.predict_correct_backward(*args, version=version)),
+                            f"backward v{version} graph")
