@@ -211,7 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--op", choices=(*OPS, "all"), default="all")
     p.add_argument("--suite", choices=(*SUITES, "all", MODEL_SUITE), default="all",
                    help=f"all: every kernel suite; {MODEL_SUITE}: a whole Gemma 3n model, patched and not "
-                        "(python -m altup_cupy.lab.gemma3n_model; its own arguments follow)")
+                        "(python -m altup_cupy.lab.gemma3n_model; its own arguments follow: its --help "
+                        "lists them)")
     p.add_argument("--reps", type=_at_least(1), default=None,
                    help=f"timed calls per measurement, median taken (default {KERNEL_REPS}; "
                         f"{MODEL_SUITE}: its own)")
@@ -235,8 +236,16 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_figures)
 
     args, rest = parser.parse_known_args(argv)
-    if rest and not (args.command == "bench" and args.suite == MODEL_SUITE):
+    model_suite = args.command == "bench" and args.suite == MODEL_SUITE
+    if rest and not model_suite:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if model_suite:
+        kernel_only = [flag for flag, given in (("--op", args.op != "all"), ("--limit", args.limit != 0),
+                                                ("--figures-dir", args.figures_dir is not None),
+                                                ("--update-readme", args.update_readme)) if given]
+        if kernel_only:
+            parser.error(f"bench --suite {MODEL_SUITE} takes no {', '.join(kernel_only)} (the kernel suites' "
+                         "options; the model's: python -m altup_cupy.lab.gemma3n_model --help)")
     args.model_args = rest
     try:
         return args.func(args)

@@ -258,3 +258,10 @@ def test_occupancy_help_compiles_nothing(capsys):
     with pytest.raises(SystemExit) as done:
         occupancy.main(["--help"])
     assert done.value.code == 0 and "--out" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", (["--limit", "2"], ["--op", "collapse"], ["--update-readme"], ["--figures-dir", "x"]))
+def test_model_suite_refuses_the_kernel_suites_options(flag, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--suite", "gemma3n-model", *flag])
+    assert done.value.code == 2 and flag[0] in capsys.readouterr().err
