@@ -399,11 +399,10 @@ def spread_path(out: Path) -> Path:
     return out.with_name(f"{out.stem}_spread{out.suffix}")
 
 
-def check_writable(path: Path, columns: Sequence[str] = COLUMNS) -> None:
-    """A ValueError unless rows of `columns` can be appended to `path`: a CSV file (not a folder)
-    whose folder is one (or can be made), empty or new, or with exactly `columns` as its header, so
-    rows never land under another schema's header. Checked before any case runs."""
-    path = Path(path)
+def _check_schema(path: Path, columns: Sequence[str]) -> None:
+    """A ValueError unless `path` can hold rows of `columns`: a CSV file (not a folder) whose folder
+    is one (or can be made), empty or new, or with exactly `columns` as its header, so rows never
+    land under another schema's header."""
     if path.is_dir():
         raise ValueError(f"{path} is a folder: --out names the CSV file")
     for folder in path.parents:
@@ -416,6 +415,12 @@ def check_writable(path: Path, columns: Sequence[str] = COLUMNS) -> None:
             header = next(csv.reader(f), [])
         if tuple(header) != tuple(columns):
             raise ValueError(f"{path} has columns {header}, not {list(columns)}: choose another --out")
+
+
+def check_writable(path: Path, columns: Sequence[str] = COLUMNS) -> None:
+    """`_check_schema`, and that the process can write `path`; checked before any case runs."""
+    path = Path(path)
+    _check_schema(path, columns)
     # Writable, found by opening it for appending (permission bits say nothing on /sys or /proc,
     # or for root); the folder is made now, as the first row would make it, and a new file removed.
     existed = path.exists()
@@ -430,10 +435,11 @@ def check_writable(path: Path, columns: Sequence[str] = COLUMNS) -> None:
 
 
 def append_row(path: Path, values: dict, columns: Sequence[str] = COLUMNS) -> None:
-    """Append one row (the header first into a new or empty file) after `check_writable`. Opened and
-    closed per row: a killed run keeps every finished row."""
+    """Append one row (the header first into a new or empty file) after `_check_schema` (the run
+    checked that it can write `path` before it began). Opened and closed per row: a killed run
+    keeps every finished row."""
     path = Path(path)
-    check_writable(path, columns)
+    _check_schema(path, columns)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
