@@ -10,6 +10,13 @@ package launches through it: those NVRTC builds through CuPy and the sm_90a cubi
 
 Launches go to a raw CUDA stream handle (what `torch.cuda.current_stream().cuda_stream` gives),
 so they are captured like any other work when that stream is capturing a CUDA graph.
+
+A launch made `programmatic` (a programmatic dependent launch, Hopper and later) may start while
+the kernel ahead of it on the stream is still running: the driver schedules its blocks as soon as
+every block of that kernel has executed `griddepcontrol.launch_dependents` (or exited), and the
+kernel itself must execute `griddepcontrol.wait` (common.cuh: griddep_wait) before it reads what
+the kernel ahead wrote. What it saves is the gap between two kernels: the first one's tail and the
+second one's launch.
 """
 
 from __future__ import annotations
@@ -24,6 +31,36 @@ from typing import Any, Sequence
 # its own slot of a multiple of 8 bytes, so each value sits at its natural alignment.
 ARG_CODES = {"ptr": "Q", "i32": "i4x", "i64": "q", "f32": "f4x"}
 SLOT_BYTES = 8
+
+# The first compute capability with programmatic dependent launch (griddepcontrol, PTX ISA 7.8).
+PROGRAMMATIC_MIN_CAPABILITY = 90
+# cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (for this
+    attribute an int: 1 = allowed)."""
+
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int32),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig."""
+
+    _fields_ = [("grid_x", ctypes.c_uint32), ("grid_y", ctypes.c_uint32), ("grid_z", ctypes.c_uint32),
+                ("block_x", ctypes.c_uint32), ("block_y", ctypes.c_uint32), ("block_z", ctypes.c_uint32),
+                ("shared_bytes", ctypes.c_uint32), ("stream", ctypes.c_void_p),
+                ("attributes", ctypes.POINTER(_LaunchAttribute)), ("attribute_count", ctypes.c_uint32)]
+
+
+def _driver_launch_ex():
+    """The driver's cuLaunchKernelEx (CUDA 11.8+), from the library CuPy has loaded."""
+    function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function
 
 # The devices whose primary context each thread has made current. The driver launches into the
 # calling thread's current context, and a thread whose first CUDA work is one of ours has none:
@@ -67,9 +104,12 @@ class PackedLaunch:
     """One kernel at one block size and shared-memory size; grid and argument values per call.
 
     kernel: a CuPy RawKernel (the CUfunction of the current device is taken); arg_types: one of
-    ARG_CODES' names per argument, or a `ByValue` for a struct passed by value."""
+    ARG_CODES' names per argument, or a `ByValue` for a struct passed by value. programmatic: launch
+    it as a programmatic dependent launch where the kernel was built for a GPU that has them (its
+    `ptx_version` >= 90, which the device's own build gives on Hopper); elsewhere a plain launch."""
 
-    def __init__(self, kernel: Any, block: int, shared_bytes: int, arg_types: Sequence[str | ByValue]):
+    def __init__(self, kernel: Any, block: int, shared_bytes: int, arg_types: Sequence[str | ByValue],
+                 programmatic: bool = False):
         from cupy.cuda import driver, runtime
 
         self._launch_kernel = driver.launchKernel
@@ -89,6 +129,13 @@ class PackedLaunch:
         # Two threads launching through one plan would overwrite each other's slots between the
         # store and the launch.
         self._lock = threading.Lock()
+        self.programmatic = programmatic and kernel.attributes["ptx_version"] >= PROGRAMMATIC_MIN_CAPABILITY
+        if self.programmatic:
+            self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._config = _LaunchConfig(block_x=self.block, block_y=1, block_z=1, grid_z=1,
+                                         shared_bytes=self.shared_bytes, attributes=ctypes.pointer(self._attribute),
+                                         attribute_count=1)
+            self._launch_ex = _driver_launch_ex()
 
     def __call__(self, stream: int, grid: int | tuple[int, int], *values: Any) -> None:
         gx, gy = (grid, 1) if isinstance(grid, int) else grid
@@ -96,5 +143,12 @@ class PackedLaunch:
             _make_context_current(self._device)
         with self._lock:
             self._pack(self._slots, 0, *values)
-            self._launch_kernel(self._function, gx, gy, 1, self.block, 1, 1, self.shared_bytes,
-                                stream, self._pointers_address, 0)
+            if not self.programmatic:
+                self._launch_kernel(self._function, gx, gy, 1, self.block, 1, 1, self.shared_bytes,
+                                    stream, self._pointers_address, 0)
+                return
+            config = self._config
+            config.grid_x, config.grid_y, config.stream = gx, gy, stream
+            error = self._launch_ex(ctypes.byref(config), self._function, self._pointers_address, None)
+        if error:
+            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {error}")

@@ -105,3 +105,59 @@ def test_each_thread_makes_the_context_current_once(driver_calls):
     worker.join()
     assert len(calls) == 4
     assert context_calls == [0, 0]  # once in this thread, once in the worker
+
+
+def test_launch_config_structs_have_cuda_h_layout():
+    """cuLaunchKernelEx reads these structs by cuda.h's layout (64-bit): CUlaunchAttribute is an id
+    padded to 8 bytes and a 64-byte value union; CUlaunchConfig seven unsigned ints, the stream,
+    the attribute pointer and their count."""
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
+    assert _launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_launch._LaunchConfig) == 56
+    assert [getattr(_launch._LaunchConfig, f).offset for f in ("shared_bytes", "stream", "attributes",
+                                                               "attribute_count")] == [24, 32, 40, 48]
+
+
+def _programmatic_kernel(function: int, ptx_version: int):
+    kernel = _kernel(function)
+    kernel.attributes = {"ptx_version": ptx_version}
+    return kernel
+
+
+def test_a_programmatic_launch_goes_through_launch_kernel_ex(driver_calls, monkeypatch):
+    """On a kernel built for sm_90: cuLaunchKernelEx with the programmatic-serialization attribute,
+    the call's grid and stream, the block and shared bytes of the plan, the packed arguments; a
+    driver error is raised, not dropped."""
+    calls, sizes = driver_calls
+    sizes += [8, 4]
+    ex_calls, results = [], [0, 700]
+
+    def launch_ex(config, function, params, extra):
+        c = config._obj
+        pointers = (ctypes.c_void_p * len(sizes)).from_address(params)
+        values = [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
+        attribute = c.attributes[0]
+        ex_calls.append(((c.grid_x, c.grid_y, c.grid_z), (c.block_x, c.block_y, c.block_z), c.shared_bytes,
+                         c.stream, c.attribute_count, attribute.id, attribute.value, function, values, extra))
+        return results.pop(0)
+
+    monkeypatch.setattr(_launch, "_driver_launch_ex", lambda: launch_ex)
+    launch = PackedLaunch(_programmatic_kernel(0xAB, 90), 1024, 64, ("ptr", "i32"), programmatic=True)
+    assert launch.programmatic
+    launch(0x5EED, (73, 2), 0x1000, 7)
+    assert not calls
+    assert ex_calls == [((73, 2, 1), (1024, 1, 1), 64, 0x5EED, 1, _launch._PROGRAMMATIC_STREAM_SERIALIZATION, 1,
+                         0xAB, [struct.pack("=Q", 0x1000), struct.pack("=i", 7)], None)]
+    with pytest.raises(RuntimeError, match="CUresult 700"):
+        launch(0, 1, 0x1000, 7)
+
+
+def test_a_programmatic_launch_of_an_sm80_build_is_a_plain_launch(driver_calls, monkeypatch):
+    """A kernel built for a GPU without programmatic launches (ptx_version < 90) launches as any
+    other, and no driver entry point beyond cuLaunchKernel is looked up."""
+    calls, sizes = driver_calls
+    sizes += [4]
+    monkeypatch.setattr(_launch, "_driver_launch_ex", lambda: pytest.fail("cuLaunchKernelEx looked up"))
+    launch = PackedLaunch(_programmatic_kernel(0xCD, 80), 32, 0, ("i32",), programmatic=True)
+    launch(0, 3, 5)
+    assert not launch.programmatic and len(calls) == 1 and calls[0][1] == (3, 1, 1)

@@ -233,3 +233,24 @@ def test_past_2_31_elements():
     for o, r in zip(out[2:], weight_ref):
         rep = tolerance_report(o, r, 0.015, 0.05)
         assert rep.passed and rep.rel_l2 < 1e-3, rep
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_reduction_reads_this_calls_partials(version, seeds):
+    """On Hopper the reduction is a programmatic dependent launch that may start before the kernel
+    writing its partials ends: two calls of one shape queued back to back (the second's partials in
+    the first's scratch) give each call's own weight gradients, bit for bit those of a lone call."""
+    from altup_cupy.ops.predict_correct_backward_versions import _Reduce
+
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert _Reduce(3, 2304).launch.programmatic == hopper
+    w = _small(3, 2304, 2, 129)
+    first, second = (predict_correct_backward_inputs(w, seeds(), "cuda", "random") for _ in range(2))
+    call = lambda inputs: predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)  # noqa: E731
+    if _ring_refuses(3, 2304, version, first, 0):
+        return
+    alone = call(second)
+    torch.cuda.synchronize()
+    _, queued = call(first), call(second)
+    for name, x, y in zip(alone._fields[2:], alone[2:], queued[2:]):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32)), name

@@ -193,3 +193,20 @@ __device__ __forceinline__ void transposed_matrix_vector(const float* __restrict
     }
 }
 
+
+// Programmatic dependent launch (sm_90 and later; _launch.PackedLaunch(programmatic=True) makes one
+// only where the kernel was built for such a GPU). griddep_launch_dependents: the kernel after this
+// one on the stream may start once every block of this one has said so (or exited); what it reads
+// of this kernel's output it must not read before griddep_wait, which returns once the kernel ahead
+// has finished and its writes are visible. Without such a launch both are no-ops.
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

@@ -4,7 +4,9 @@
 // What this version changed:
 //   reduce: 32 warps each sum every 32nd block's columns in four interleaved chains, then warp 0
 //           adds the 32 warp sums in a fixed order (bitwise deterministic, no atomics); the
-//           coefficient gradients in fp64 (weight_grad_partials.cuh says why).
+//           coefficient gradients in fp64 (weight_grad_partials.cuh says why). On Hopper it is a
+//           programmatic dependent launch: its blocks are placed while the backward's last blocks
+//           still run and wait (griddep_wait) for the partials, instead of launching after them.
 #include "common.cuh"
 #include "weight_grad_partials.cuh"
 
@@ -60,6 +62,7 @@ __global__ void __launch_bounds__(ALTUP_REDUCE_THREADS) predict_correct_backward
         float4 fp32[kReduceWarps][32];
         double fp64[kReduceWarps][32];
     } shares;
+    griddep_wait();  // the partials are the kernel ahead's output
     const long long stride = partial_stride(N, hidden);  // floats; a multiple of 4 (host: partial_stride)
     const long long fp32_end = fp32_columns<N>(hidden);
     const long long fp32_blocks = (fp32_end + 31) / 32;

@@ -201,6 +201,9 @@ __device__ __forceinline__ void ring_block_backward(SINGLE_PASS_BACKWARD_PARAMET
         bulk_copy_to_shared(dst + 2 * N * slices, act_rows + token * slices, row_bytes, &stage_full[into]);
     };
 
+    // The reduction after this kernel (a programmatic launch) may be placed on the GPU now: its
+    // blocks wait for this grid's end before they read a partial.
+    griddep_launch_dependents();
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) mbarrier_init(&stage_full[s], 1);
         fence_mbarrier_init();

@@ -60,11 +60,13 @@ def _grid(kernel, threads: int, shared: int, cap: int, tokens: int, device: int,
 
 
 class _Reduce:
-    """The fixed-order sum of `blocks` partial rows into the four fp32 weight gradients."""
+    """The fixed-order sum of `blocks` partial rows into the four fp32 weight gradients; on Hopper a
+    programmatic dependent launch that waits in the kernel for the partials (_launch)."""
 
     def __init__(self, streams: int, hidden: int):
         kernel = S.PREDICT_CORRECT_BACKWARD_REDUCE.kernel(f"predict_correct_backward_reduce<{streams}>")
-        self.launch = PackedLaunch(kernel, S.REDUCE_THREADS, 0, ("ptr", "i32", "i32", "ptr", "ptr", "ptr", "ptr"))
+        self.launch = PackedLaunch(kernel, S.REDUCE_THREADS, 0, ("ptr", "i32", "i32", "ptr", "ptr", "ptr", "ptr"),
+                                   programmatic=True)
         self.grid = S.reduce_blocks(streams, hidden)
         self.hidden = hidden
 
