@@ -32,18 +32,25 @@ from typing import Any, Sequence
 ARG_CODES = {"ptr": "Q", "i32": "i4x", "i64": "q", "f32": "f4x"}
 SLOT_BYTES = 8
 
-# The first compute capability with programmatic dependent launch (griddepcontrol, PTX ISA 7.8).
+# The first compute capability with programmatic dependent launch (griddepcontrol, PTX ISA 7.8),
+# and the first driver that records such a launch in a CUDA graph when a stream is captured (12.3;
+# cuLaunchKernelEx itself came with 12.0). Older drivers get plain launches.
 PROGRAMMATIC_MIN_CAPABILITY = 90
+PROGRAMMATIC_MIN_DRIVER = 12030
 # cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
-class _LaunchAttribute(ctypes.Structure):
-    """cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (for this
-    attribute an int: 1 = allowed)."""
+class _LaunchAttributeValue(ctypes.Union):
+    """cuda.h's CUlaunchAttributeValue: 64 bytes, 8-byte aligned; this attribute's member is an int."""
 
-    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int32),
-                ("value_rest", ctypes.c_char * 60)]
+    _fields_ = [("programmatic_allowed", ctypes.c_int32), ("words", ctypes.c_uint64 * 8)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: a 4-byte id, padding to 8 bytes, the value."""
+
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -56,7 +63,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 def _driver_launch_ex():
-    """The driver's cuLaunchKernelEx (CUDA 11.8+), from the library CuPy has loaded."""
+    """The driver's cuLaunchKernelEx, from the library CuPy has loaded."""
     function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     function.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     function.restype = ctypes.c_int
@@ -106,7 +113,9 @@ class PackedLaunch:
     kernel: a CuPy RawKernel (the CUfunction of the current device is taken); arg_types: one of
     ARG_CODES' names per argument, or a `ByValue` for a struct passed by value. programmatic: launch
     it as a programmatic dependent launch where the kernel was built for a GPU that has them (its
-    `ptx_version` >= 90, which the device's own build gives on Hopper); elsewhere a plain launch."""
+    `ptx_version` >= 90, which the device's own build gives on Hopper) and the driver records one
+    in a CUDA graph; elsewhere a plain launch. Only a kernel that waits (griddep_wait) before it
+    reads its predecessor's output may be launched so."""
 
     def __init__(self, kernel: Any, block: int, shared_bytes: int, arg_types: Sequence[str | ByValue],
                  programmatic: bool = False):
@@ -129,9 +138,12 @@ class PackedLaunch:
         # Two threads launching through one plan would overwrite each other's slots between the
         # store and the launch.
         self._lock = threading.Lock()
-        self.programmatic = programmatic and kernel.attributes["ptx_version"] >= PROGRAMMATIC_MIN_CAPABILITY
+        self.programmatic = (programmatic and kernel.attributes["ptx_version"] >= PROGRAMMATIC_MIN_CAPABILITY
+                             and runtime.driverGetVersion() >= PROGRAMMATIC_MIN_DRIVER)
         if self.programmatic:
-            self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION,
+                                               value=_LaunchAttributeValue(programmatic_allowed=1))
+            self._driver_error = driver.CUDADriverError
             self._config = _LaunchConfig(block_x=self.block, block_y=1, block_z=1, grid_z=1,
                                          shared_bytes=self.shared_bytes, attributes=ctypes.pointer(self._attribute),
                                          attribute_count=1)
@@ -151,4 +163,4 @@ class PackedLaunch:
             config.grid_x, config.grid_y, config.stream = gx, gy, stream
             error = self._launch_ex(ctypes.byref(config), self._function, self._pointers_address, None)
         if error:
-            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {error}")
+            raise self._driver_error(error)  # what cuLaunchKernel's wrapper raises

@@ -31,6 +31,8 @@ def driver_calls(monkeypatch):
                                                                   "cupy.cuda.runtime"))
     driver.launchKernel, cuda.driver, cuda.runtime, cupy.cuda = launch_kernel, driver, runtime, cuda
     runtime.getDevice, runtime.setDevice = (lambda: 0), context_calls.append
+    runtime.driverGetVersion = lambda: driver_version["version"]
+    driver.CUDADriverError = DriverError
     for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.driver", driver),
                          ("cupy.cuda.runtime", runtime)):
         monkeypatch.setitem(sys.modules, name, module)
@@ -38,6 +40,11 @@ def driver_calls(monkeypatch):
 
 
 context_calls: list[int] = []  # the devices made current through the runtime, in order
+driver_version = {"version": 13000}  # what the fake runtime's driverGetVersion returns
+
+
+class DriverError(Exception):
+    """Stands for cupy.cuda.driver.CUDADriverError (built from a CUresult)."""
 
 
 def _kernel(function: int):
@@ -111,8 +118,9 @@ def test_launch_config_structs_have_cuda_h_layout():
     """cuLaunchKernelEx reads these structs by cuda.h's layout (64-bit): CUlaunchAttribute is an id
     padded to 8 bytes and a 64-byte value union; CUlaunchConfig seven unsigned ints, the stream,
     the attribute pointer and their count."""
-    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72 and ctypes.alignment(_launch._LaunchAttribute) == 8
     assert _launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_launch._LaunchAttributeValue) == 64
     assert ctypes.sizeof(_launch._LaunchConfig) == 56
     assert [getattr(_launch._LaunchConfig, f).offset for f in ("shared_bytes", "stream", "attributes",
                                                                "attribute_count")] == [24, 32, 40, 48]
@@ -138,7 +146,8 @@ def test_a_programmatic_launch_goes_through_launch_kernel_ex(driver_calls, monke
         values = [ctypes.string_at(pointers[i], size) for i, size in enumerate(sizes)]
         attribute = c.attributes[0]
         ex_calls.append(((c.grid_x, c.grid_y, c.grid_z), (c.block_x, c.block_y, c.block_z), c.shared_bytes,
-                         c.stream, c.attribute_count, attribute.id, attribute.value, function, values, extra))
+                         c.stream, c.attribute_count, attribute.id, attribute.value.programmatic_allowed, function,
+                         values, extra))
         return results.pop(0)
 
     monkeypatch.setattr(_launch, "_driver_launch_ex", lambda: launch_ex)
@@ -148,16 +157,20 @@ def test_a_programmatic_launch_goes_through_launch_kernel_ex(driver_calls, monke
     assert not calls
     assert ex_calls == [((73, 2, 1), (1024, 1, 1), 64, 0x5EED, 1, _launch._PROGRAMMATIC_STREAM_SERIALIZATION, 1,
                          0xAB, [struct.pack("=Q", 0x1000), struct.pack("=i", 7)], None)]
-    with pytest.raises(RuntimeError, match="CUresult 700"):
+    with pytest.raises(DriverError) as error:
         launch(0, 1, 0x1000, 7)
+    assert error.value.args == (700,)
 
 
-def test_a_programmatic_launch_of_an_sm80_build_is_a_plain_launch(driver_calls, monkeypatch):
-    """A kernel built for a GPU without programmatic launches (ptx_version < 90) launches as any
-    other, and no driver entry point beyond cuLaunchKernel is looked up."""
+@pytest.mark.parametrize("ptx_version,driver", [(80, 13000), (90, 12020)], ids=["sm80-build", "driver-12.2"])
+def test_a_programmatic_launch_falls_back_to_a_plain_one(driver_calls, monkeypatch, ptx_version, driver):
+    """A kernel built for a GPU without programmatic launches (ptx_version < 90), or a driver that
+    cannot record one in a CUDA graph (before 12.3): a launch as any other, and no driver entry
+    point beyond cuLaunchKernel is looked up."""
     calls, sizes = driver_calls
     sizes += [4]
     monkeypatch.setattr(_launch, "_driver_launch_ex", lambda: pytest.fail("cuLaunchKernelEx looked up"))
-    launch = PackedLaunch(_programmatic_kernel(0xCD, 80), 32, 0, ("i32",), programmatic=True)
+    monkeypatch.setitem(driver_version, "version", driver)
+    launch = PackedLaunch(_programmatic_kernel(0xCD, ptx_version), 32, 0, ("i32",), programmatic=True)
     launch(0, 3, 5)
     assert not launch.programmatic and len(calls) == 1 and calls[0][1] == (3, 1, 1)

@@ -11,7 +11,7 @@ from altup_cupy import predict_correct_backward
 from altup_cupy.lab.benchmarks.predict_correct_backward import ARG_NAMES, eager_fp32
 from altup_cupy.lab.check import oracle_bound
 from altup_cupy.lab.workloads import Workload, predict_correct_backward_inputs, tolerance_report, workloads
-from altup_cupy.ops.predict_correct_backward import run_plan
+from altup_cupy.ops.predict_correct_backward import PredictCorrectGrads, run_plan
 from altup_cupy.ops.predict_correct_backward_versions import RINGS, VERSIONS, ring_plan, ring_stage_choices
 from altup_cupy.reference import predict_correct_backward_reference
 
@@ -237,20 +237,30 @@ def test_past_2_31_elements():
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_reduction_reads_this_calls_partials(version, seeds):
-    """On Hopper the reduction is a programmatic dependent launch that may start before the kernel
-    writing its partials ends: two calls of one shape queued back to back (the second's partials in
-    the first's scratch) give each call's own weight gradients, bit for bit those of a lone call."""
+    """On Hopper the reduction is a programmatic dependent launch, placed on an SM as soon as a
+    block of the kernel before it ends: it must wait for that whole kernel. With one token more
+    than a whole number of rounds over the SMs, block 0 works a token longer than the rest, so a
+    reduction that did not wait would read block 0's partial row before it is written: the row
+    the call before left in the same scratch. Each call made twice, alone (the row left there is
+    its own), gives the expected bits; calls of other inputs queued back to back must give them
+    too."""
+    from altup_cupy import _device
     from altup_cupy.ops.predict_correct_backward_versions import _Reduce
 
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     assert _Reduce(3, 2304).launch.programmatic == hopper
-    w = _small(3, 2304, 2, 129)
-    first, second = (predict_correct_backward_inputs(w, seeds(), "cuda", "random") for _ in range(2))
+    w = _small(3, 2304, 1, 24 * _device.sm_count(torch.cuda.current_device()) + 1)
+    calls = [predict_correct_backward_inputs(w, seeds(), "cuda", "random") for _ in range(6)]
     call = lambda inputs: predict_correct_backward(*_args(inputs), 0, inputs["eps"], version=version)  # noqa: E731
-    if _ring_refuses(3, 2304, version, first, 0):
+    if _ring_refuses(3, 2304, version, calls[0], 0):
         return
-    alone = call(second)
-    torch.cuda.synchronize()
-    _, queued = call(first), call(second)
-    for name, x, y in zip(alone._fields[2:], alone[2:], queued[2:]):
-        assert torch.equal(x.view(torch.int32), y.view(torch.int32)), name
+    alone = []
+    for inputs in calls:
+        call(inputs)
+        torch.cuda.synchronize()
+        alone.append([t.clone() for t in call(inputs)[2:]])
+        torch.cuda.synchronize()
+    queued = [[t.clone() for t in call(inputs)[2:]] for inputs in calls]
+    for k, (expected, got) in enumerate(zip(alone, queued)):
+        for name, x, y in zip(PredictCorrectGrads._fields[2:], expected, got):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32)), (k, name)
