@@ -45,6 +45,8 @@ from .paths import FIGURES_DIR, RECORDED_RESULTS_DIR
 from .workloads import OPS, SUITES
 
 OURS = "altup_cupy"  # the implementation every speedup is measured for
+# The default's kernel called through torch.ops: in a plot of points it lies under the default's.
+OPERATOR_ENTRY = f"{OURS}_op"
 OP_TITLES = {"collapse": "collapse forward", "predict_correct_backward": "predict-correct backward"}
 # The floor each op is measured against: the collapse's GEMMs alone (its epilogue is what it adds),
 # and a device copy of the backward's compulsory bytes (it can do no less traffic).
@@ -217,7 +219,7 @@ def style_map(impls: Iterable[str]) -> dict[str, tuple[str, str]]:
 
 
 def _zorder(impl: str) -> int:
-    """The default on top: the operator entry (`altup_cupy_op`, the same kernel) would hide it."""
+    """The default's points on top of the other implementations'."""
     return 4 if impl == OURS else 3
 
 
@@ -402,7 +404,7 @@ def plot_roofline(op: str, results: dict, path: Path) -> Path | None:
         points, panel, view = roofline_points(rows), _roofline_panel, "FLOPs"
     if not points:
         return None
-    impls = impl_order([r for r, _, _ in points])
+    impls = [impl for impl in impl_order([r for r, _, _ in points]) if impl != OPERATOR_ENTRY]
     styles = style_map(impls)
     suites = sorted({r["suite"] for r, _, _ in points}, key=lambda s: s != "benchmark")
     fig, ax = plt.subplots(figsize=(7.2, 6.0))
@@ -452,8 +454,10 @@ def _finish_panels(fig, panels, title: str, rows: Sequence[dict], path: Path) ->
 
 
 def plot_latency(op: str, suite: str, rows: Sequence[dict], path: Path) -> Path:
+    """Every implementation's time against tokens (the operator entry, the default's kernel, left
+    out: its line would lie under the default's), one panel per (N, H)."""
     plt = _pyplot()
-    impls = impl_order(rows)
+    impls = [impl for impl in impl_order(rows) if impl != OPERATOR_ENTRY]
     styles = style_map(impls)
     fig, panels = _per_shape_panels(plt, rows)
     for ax, (n, h), sub in panels:
