@@ -84,3 +84,37 @@ def test_gemma3n_version_slower_than_the_default_everywhere_says_why_it_stays(st
     # The recorded run (an H200, sm_90) ran DEFAULT's version where it is the default.
     _assert_kept_for_a_reason(f"{step} v{number}", medians.get(f"{step}_v{number}", {}),
                               medians.get(f"{step}_v{DEFAULT[step]}", {}), entry.kept_because, "RowKernel.kept_because")
+
+
+def test_the_numbers_a_kept_reason_quotes_are_the_recorded_ones():
+    """Collapse v2 and v3 say how far they are from v1 and v2 on the recorded benchmark; the
+    notebooks show those sentences verbatim, so they must be the recorded run's numbers."""
+    import re
+    import statistics
+
+    from altup_cupy.ops.collapse_versions import VERSIONS
+
+    medians = _medians("collapse")
+    v1, v2, v3 = (medians[name] for name in ("altup_cupy", "altup_cupy_v2", "altup_cupy_v3"))
+    over_v1 = [100 * (v2[k] / v1[k] - 1) for k in v1]
+    low, high, median = map(int, re.search(r"(\d+)-(\d+)% \(median (\d+)%\)", VERSIONS[2].kept_because).groups())
+    assert (low, high, median) == (round(min(over_v1)), round(max(over_v1)), round(statistics.median(over_v1)))
+    within = float(re.search(r"within ([\d.]+)% of v2", VERSIONS[3].kept_because).group(1))
+    assert within == round(max(100 * abs(v3[k] / v2[k] - 1) for k in v2), 1)
+
+
+@pytest.mark.parametrize("number", [1, 2])
+def test_the_magnitude_match_backwards_say_their_blocks_per_sm(number):
+    """Each says how many blocks share an SM at H = 2048 (N = 4: the model's launch, one thread per
+    8-element slice); the offline compile's registers and shared memory give it."""
+    import re
+
+    from altup_cupy._occupancy import SM_LIMITS, blocks_per_sm
+    from altup_cupy.lab.occupancy import read_occupancy
+    from altup_cupy.ops.gemma3n_altup_versions import KERNELS
+
+    kernel = KERNELS["magnitude_match_backward"][number - 1]
+    stated = int(re.search(r"(\d+) blocks an SM at H = 2048", kernel.note).group(1))
+    row = next(r for r in read_occupancy() if r["arch"] == "sm_90"
+               and r["kernel"] == f"altup_magnitude_match_backward_v{number}<4,unsignedshort>")
+    assert stated == blocks_per_sm(SM_LIMITS["sm_90"], row["registers"], 2048 // 8, row["static_shared_bytes"])[0]
