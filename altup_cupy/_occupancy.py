@@ -36,13 +36,17 @@ SM_LIMITS = {
 }
 
 
+def registers_per_warp(registers: int) -> int:
+    """The registers one warp of a kernel holds: `registers` a thread, allocated in REGISTER_UNITs."""
+    return ceil_div(max(registers, 1) * WARP, REGISTER_UNIT) * REGISTER_UNIT
+
+
 def blocks_per_sm(limits: SmLimits, registers: int, threads: int, shared_bytes: int) -> tuple[int, str]:
     """(resident blocks per SM, the resource that limits them: 'registers', 'threads', 'shared
     memory' or 'blocks'). `shared_bytes`: static and dynamic shared memory of one block."""
     warps = ceil_div(threads, WARP)
-    registers_per_warp = ceil_div(max(registers, 1) * WARP, REGISTER_UNIT) * REGISTER_UNIT
     by = {
-        "registers": limits.registers // registers_per_warp // warps,
+        "registers": limits.registers // registers_per_warp(registers) // warps,
         "threads": limits.threads // (warps * WARP),
         "shared memory": limits.shared_bytes // (shared_bytes + RESERVED_SHARED_PER_BLOCK),
         "blocks": limits.blocks,
