@@ -278,6 +278,31 @@ def test_threads_on_one_stream_never_share_scratch(seeds):
         assert mismatched == 0, f"thread {i}: {mismatched} of 200 results differ from the call made alone"
 
 
+
+@pytest.mark.parametrize("version", sorted(collapse_versions.VERSIONS))
+def test_the_epilogue_reads_this_calls_projections(version, seeds):
+    """On Hopper the epilogue is a programmatic dependent launch that may start before the GEMM
+    ahead has finished: it must wait for it. Eager calls of one shape share one projections'
+    buffer, so an epilogue that did not wait would read the projections the call before left there
+    (or a mix). Each call made twice, alone (what is left there is its own), gives the expected
+    bits; calls of other inputs queued back to back must give them too."""
+    major, minor = torch.cuda.get_device_capability()
+    if not collapse_versions.VERSIONS[version].runs_on(10 * major + minor, 3, 3072):
+        pytest.skip(f"collapse v{version} needs compute capability "
+                    f"{collapse_versions.VERSIONS[version].min_compute_capability / 10:.1f}")
+    assert epilogue_v1(3, 3072).programmatic == (major >= 9)
+    calls = [_inputs(3, 1, 2048, 3072, seeds()) for _ in range(6)]
+    call = lambda w: collapse(w["hidden_states"], w["unembed_projs"], EPS, version=version)  # noqa: E731
+    alone = []
+    for w in calls:
+        call(w)
+        torch.cuda.synchronize()
+        alone.append(call(w).clone())
+        torch.cuda.synchronize()
+    queued = [call(w) for w in calls]
+    for k, (expected, got) in enumerate(zip(alone, queued)):
+        assert torch.equal(_bits(expected), _bits(got)), f"call {k}: differs from the same call made alone"
+
 # ---- workspace chunking, M = 0, past 2^31 elements ------------------------------------------------
 
 

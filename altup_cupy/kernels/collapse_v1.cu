@@ -9,6 +9,8 @@
 //   collapse_epilogue_v1: one block per row; each thread keeps CHUNKS 16-byte slices of s0 and
 //                         of every y_k in registers, so the row is read from memory exactly once
 //                         (up to H = 8192) and all N statistics come out of one block reduction.
+//                         On Hopper a programmatic dependent launch: it may be launched before the
+//                         GEMM ahead has finished, and waits (griddep_wait) for its output.
 #include "common.cuh"
 
 // Threads per block that still leave each thread the registers for CHUNKS slices of N streams
@@ -74,6 +76,7 @@ __global__ void __launch_bounds__(collapse_max_threads(N, CHUNKS)) collapse_epil
 #pragma unroll
     for (int k = 0; k < N; ++k) sum_sq[k] = 0.0f;
 
+    griddep_wait();  // the projections are the GEMM's output (and stream 0 is older than the GEMM)
     for (int first = 0; first < slices; first += sweep) {
         collapse_load_sweep<N, CHUNKS>(stream0, projected, row_slice0, projection_stride, first,
                                        slices, s0, y);
