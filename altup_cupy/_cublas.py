@@ -30,6 +30,11 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 PREF_MAX_WORKSPACE_BYTES = 1
+# cublasLtMatmulAlgoConfigAttributes_t: how a chosen algorithm is configured (`Gemm.config`)
+ALGO_CONFIG = {"algo_id": (0, ctypes.c_int32), "tile": (1, ctypes.c_uint32), "split_k": (2, ctypes.c_int32),
+               "reduction_scheme": (3, ctypes.c_uint32), "swizzle": (4, ctypes.c_uint32),
+               "custom_option": (5, ctypes.c_uint32), "stages": (6, ctypes.c_uint32),
+               "inner_shape": (7, ctypes.c_uint16), "cluster_shape": (8, ctypes.c_uint16)}
 # The most workspace an algorithm may ask for (split-K at small M wants some); the caller
 # allocates what the chosen algorithm needs, `Gemm.workspace_bytes`.
 MAX_WORKSPACE_BYTES = 32 << 20
@@ -105,13 +110,16 @@ class Gemm:
     [cols, inner] (nn.Linear's weight layout), else [inner, cols]. ldx, ldy, ldd: row strides in
     elements (None: the stored row length). batch > 1: that many products, operand b at
     b * <operand>_batch_stride elements (0 repeats one operand). accumulate: D += product
-    (beta = 1; cuBLASLt reads C = D in place), else D = product."""
+    (beta = 1; cuBLASLt reads C = D in place), else D = product. candidate: which of the
+    heuristic's algorithms, in its order (0, its first choice, is what the package runs; the
+    algorithm sweep, scripts/sweep_cublas_algos.py, times the others); a candidate the heuristic
+    does not offer for this shape raises IndexError."""
 
     def __init__(self, *, rows: int, cols: int, inner: int, x_transposed: bool = False,
                  y_transposed: bool = True, ldx: int | None = None, ldy: int | None = None,
                  ldd: int | None = None, out_dtype: torch.dtype = torch.float32, batch: int = 1,
                  x_batch_stride: int = 0, y_batch_stride: int = 0, d_batch_stride: int = 0,
-                 accumulate: bool = False):
+                 accumulate: bool = False, candidate: int = 0):
         lt = _library()
         self.rows = rows
         ldx = ldx or (rows if x_transposed else inner)
@@ -137,15 +145,20 @@ class Gemm:
         _check(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
         _set(lt.cublasLtMatmulPreferenceSetAttribute, preference, PREF_MAX_WORKSPACE_BYTES,
              ctypes.c_uint64(MAX_WORKSPACE_BYTES))
-        result, found = _HeuristicResult(), ctypes.c_int(0)
-        _check(lt.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, 1,
-                                                 ctypes.byref(result), ctypes.byref(found)),
+        results, found = (_HeuristicResult * (candidate + 1))(), ctypes.c_int(0)
+        _check(lt.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, candidate + 1,
+                                                 results, ctypes.byref(found)),
                "cublasLtMatmulAlgoGetHeuristic")
         lt.cublasLtMatmulPreferenceDestroy(preference)
         if found.value < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for bf16 x bf16 -> {out_dtype}, rows={rows}, "
                                f"cols={cols}, inner={inner}")
+        if found.value <= candidate:
+            raise IndexError(f"cuBLASLt's heuristic offers {found.value} algorithms for this shape; "
+                             f"there is no candidate {candidate}")
+        result = results[candidate]
         self.workspace_bytes = int(result.workspaceSize)
+        self.waves = float(result.wavesCount)
         self._algo = result.algo
         self._function = lt.cublasLtMatmul
         self._function.restype = ctypes.c_int
@@ -157,6 +170,18 @@ class Gemm:
                       self._d, d, self._d, d, ctypes.byref(self._algo), self._workspace,
                       ctypes.c_size_t(self.workspace_bytes), self._stream)
         self._lock = threading.Lock()  # the address slots are shared by this plan's callers
+
+    @property
+    def config(self) -> dict[str, int]:
+        """The chosen algorithm's configuration (ALGO_CONFIG's names: tile, split_k, stages...)."""
+        lt, values = _library(), {}
+        for name, (attribute, ctype) in ALGO_CONFIG.items():
+            value, written = ctype(0), ctypes.c_size_t(0)
+            _check(lt.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(self._algo), attribute, ctypes.byref(value),
+                                                           ctypes.sizeof(value), ctypes.byref(written)),
+                   "cublasLtMatmulAlgoConfigGetAttribute")
+            values[name] = int(value.value)
+        return values
 
     def __call__(self, x_ptr: int, y_ptr: int, d_ptr: int, workspace_ptr: int, stream: int) -> None:
         """The product on `stream`; `workspace_ptr` holds `workspace_bytes`."""

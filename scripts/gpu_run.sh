@@ -2,7 +2,7 @@
 # The GPU checks of altup_cupy on this machine's NVIDIA GPU, in the current Python environment.
 #
 #   bash scripts/gpu_run.sh [STAGE ...]     STAGE: tests, tests_portable, bench, gemma3n, gemma3n_model,
-#                                           notebooks, sweep (default: tests tests_portable bench gemma3n
+#                                           notebooks, sweep, ab (default: tests tests_portable bench gemma3n
 #                                           notebooks)
 #
 # Set up first (README, "Install"): a CUDA build of torch, then pip install -e ".[gpu,dev]".
@@ -21,7 +21,10 @@
 #                        (altup_cupy.lab.gemma3n_model: medians, and each case's p10-p90; rows of this commit
 #                        already in the CSV are kept and not measured again)
 #   notebooks.log        notebooks/*.ipynb executed in place in GPU mode (scripts/execute_notebooks.sh)
-#   sweep_v4.csv, .log   the tuning sweep of the backward's ring kernels, v4 and v6 (Hopper GPUs only)
+#   sweep_v4.csv, .log   the tuning sweep of the backward's ring kernels, v4 and v6 (Hopper GPUs only),
+#   sweep_cublas_algos.csv, .log   and every cuBLASLt algorithm for the collapse's projections
+#   programmatic_launch_ab.csv, .log   each programmatic dependent launch against a plain one
+#                        (scripts/ab_programmatic_launch.py; Hopper GPUs only)
 # Each stage runs under a time limit of ALTUP_STAGE_LIMIT_S seconds (default 1800), so a hung
 # kernel ends its stage, not the run. Exit code: 0 if every stage passed.
 set -uo pipefail
@@ -33,8 +36,8 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests tests_portable bench gemma3n notebooks)
 for stage in "${stages[@]}"; do
   case $stage in
-    tests|tests_portable|bench|gemma3n|gemma3n_model|notebooks|sweep) ;;
-    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests tests_portable bench gemma3n gemma3n_model notebooks sweep)" >&2
+    tests|tests_portable|bench|gemma3n|gemma3n_model|notebooks|sweep|ab) ;;
+    *) echo "gpu_run.sh: unknown stage '$stage' (stages: tests tests_portable bench gemma3n gemma3n_model notebooks sweep ab)" >&2
        exit 2 ;;
   esac
 done
@@ -82,7 +85,12 @@ for stage in "${stages[@]}"; do
     notebooks)
       ALTUP_NOTEBOOK_MODE=gpu run_stage "$results/notebooks.log" bash scripts/execute_notebooks.sh ;;
     sweep)
-      run_stage "$results/sweep_v4.log" python3 scripts/sweep_v4.py --out "$results/sweep_v4.csv" ;;
+      run_stage "$results/sweep_v4.log" python3 scripts/sweep_v4.py --out "$results/sweep_v4.csv" &&
+        run_stage "$results/sweep_cublas_algos.log" python3 scripts/sweep_cublas_algos.py \
+          --out "$results/sweep_cublas_algos.csv" ;;
+    ab)
+      run_stage "$results/programmatic_launch_ab.log" python3 scripts/ab_programmatic_launch.py \
+        --out "$results/programmatic_launch_ab.csv" ;;
   esac
   rc=$?
   [ "$rc" -ne 124 ] || echo "stage $stage: stopped after ALTUP_STAGE_LIMIT_S=$limit s"
