@@ -1,7 +1,7 @@
 """A/B of the package's programmatic dependent launches (the default on Hopper) against plain
-launches, on every workload of both suites: the collapse's epilogue after its GEMM (v1; v2, whose
-GEMM is the package's own, on Hopper) and the backward's weight-gradient reduction after the ring
-kernels (v4, v6).
+launches, on every workload of both suites: the collapse's epilogue after its GEMM (v1, and v2,
+whose GEMM is the package's own, on sm_90 GPUs) and the backward's weight-gradient reduction after
+the ring kernels (v4, v6).
 
 Both plans of a shape are built apart (not from the versions' caches); the plain one has that
 launch switched to a plain cuLaunchKernel. Their outputs must agree bit for bit; each is timed by
@@ -58,9 +58,8 @@ def collapse_calls(w: Workload, seed: int) -> Iterator[tuple[str, Call]]:
     inputs = collapse_inputs(w, seed)
     hs, ws, eps = inputs["hidden_states"], inputs["unembed_projs"], inputs["eps"]
     device = torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability()
     builders = {1: lambda: _v1_plan.__wrapped__(w.streams, w.tokens, w.hidden, True, device)}
-    if COLLAPSE_VERSIONS[2].runs_on(10 * major + minor, w.streams, w.hidden):
+    if torch.cuda.get_device_capability() == (9, 0) and COLLAPSE_VERSIONS[2].supports(w.streams, w.hidden):
         builders[2] = lambda: collapse_hopper.plan.__wrapped__(2, w.streams, w.tokens, w.hidden, True, device)
     for version, build in builders.items():
         plans, outs = {}, {}
@@ -86,8 +85,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="only workloads of at most this many tokens")
     parser.add_argument("--out", default="programmatic_launch_ab.csv")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.exit(2, f"{parser.prog}: needs a CUDA GPU\n")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        parser.exit(2, f"{parser.prog}: needs a Hopper (or later) GPU, where launches are programmatic\n")
     info = run_info()
     fields = ["op", "workload", "tokens", "version", "programmatic_us", "plain_us", "saved_us", "bitwise_same", *info]
     makers = {"collapse": collapse_calls, "predict_correct_backward": backward_calls}
@@ -111,6 +110,7 @@ def main() -> int:
                     f.flush()
                     print(f"{op:24s} {w.label:22s} {version} programmatic {on:8.2f} us, plain {off:8.2f} us, "
                           f"same bits {same}", flush=True)
+                call = None  # its closure holds this workload's tensors
                 torch.cuda.empty_cache()
     return 0
 

@@ -278,30 +278,52 @@ def test_threads_on_one_stream_never_share_scratch(seeds):
         assert mismatched == 0, f"thread {i}: {mismatched} of 200 results differ from the call made alone"
 
 
+# The kernel ahead of the epilogue in the next test: it lets the epilogue launch at once, then waits
+# `spin_cycles` before it writes the projections.
+_LATE_WRITER = r"""
+extern "C" __global__ void late_writer(float* dst, const float* src, long long n, long long spin_cycles) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    const long long start = clock64();
+    while (clock64() - start < spin_cycles) {}
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+"""
 
-@pytest.mark.parametrize("version", sorted(collapse_versions.VERSIONS))
-def test_the_epilogue_reads_this_calls_projections(version, seeds):
-    """On Hopper the epilogue is a programmatic dependent launch that may start before the GEMM
-    ahead has finished: it must wait for it. Eager calls of one shape share one projections'
-    buffer, so an epilogue that did not wait would read the projections the call before left there
-    (or a mix). Each call made twice, alone (what is left there is its own), gives the expected
-    bits; calls of other inputs queued back to back must give them too."""
-    major, minor = torch.cuda.get_device_capability()
-    if not collapse_versions.VERSIONS[version].runs_on(10 * major + minor, 3, 3072):
-        pytest.skip(f"collapse v{version} needs compute capability "
-                    f"{collapse_versions.VERSIONS[version].min_compute_capability / 10:.1f}")
-    assert epilogue_v1(3, 3072).programmatic == (major >= 9)
-    calls = [_inputs(3, 1, 2048, 3072, seeds()) for _ in range(6)]
-    call = lambda w: collapse(w["hidden_states"], w["unembed_projs"], EPS, version=version)  # noqa: E731
-    alone = []
-    for w in calls:
-        call(w)
-        torch.cuda.synchronize()
-        alone.append(call(w).clone())
-        torch.cuda.synchronize()
-    queued = [call(w) for w in calls]
-    for k, (expected, got) in enumerate(zip(alone, queued)):
-        assert torch.equal(_bits(expected), _bits(got)), f"call {k}: differs from the same call made alone"
+
+def test_the_epilogue_waits_for_the_kernel_ahead(seeds):
+    """On Hopper the epilogue is a programmatic dependent launch: its blocks may start as soon as
+    every block of the kernel ahead has released them (griddepcontrol.launch_dependents), so it
+    must wait (griddep_wait) for that kernel's writes before it reads. Here the kernel ahead, on
+    four blocks, releases it at once and then spins about 0.1 ms before it writes the projections
+    into a NaN-filled buffer: an epilogue that read early would give NaN, or other bits than the
+    same launch made after the projections were in place."""
+    import cupy
+
+    from altup_cupy._launch import PROGRAMMATIC_MIN_DRIVER, PackedLaunch
+
+    major, _ = torch.cuda.get_device_capability()
+    launch = epilogue_v1(3, 3072)
+    assert launch.programmatic == (major >= 9 and cupy.cuda.runtime.driverGetVersion() >= PROGRAMMATIC_MIN_DRIVER)
+    n, rows, h = 3, 300, 3072
+    inputs = _inputs(n, 1, rows, h, seeds())
+    hs, ws = inputs["hidden_states"], inputs["unembed_projs"]
+    y32 = torch.stack([hs[k].reshape(rows, h).float() @ ws[k - 1].float().T for k in range(1, n)]).contiguous()
+    late = torch.full_like(y32, float("nan"))
+    expected, got = (torch.full((rows, h), float("nan"), dtype=BF16, device="cuda") for _ in range(2))
+    writer = PackedLaunch(cupy.RawKernel(_LATE_WRITER, "late_writer"), 256, 0, ("ptr", "ptr", "i64", "i64"))
+    stream = torch.cuda.current_stream().cuda_stream
+    launch(stream, rows, hs.data_ptr(), y32.data_ptr(), expected.data_ptr(), h, rows, EPS)
+    torch.cuda.synchronize()
+    # The writer, then at once the epilogue on what the writer has yet to write: nothing between them.
+    writer(stream, 4, late.data_ptr(), y32.data_ptr(), late.numel(), 200_000)
+    launch(stream, rows, hs.data_ptr(), late.data_ptr(), got.data_ptr(), h, rows, EPS)
+    torch.cuda.synchronize()
+    assert torch.equal(late, y32), "the writer did not write the projections"
+    assert torch.isfinite(expected.float()).all()
+    assert torch.equal(_bits(got), _bits(expected)), "the epilogue read the projections before they were written"
 
 # ---- workspace chunking, M = 0, past 2^31 elements ------------------------------------------------
 

@@ -9,8 +9,9 @@
 //   collapse_epilogue_v1: one block per row; each thread keeps CHUNKS 16-byte slices of s0 and
 //                         of every y_k in registers, so the row is read from memory exactly once
 //                         (up to H = 8192) and all N statistics come out of one block reduction.
-//                         On Hopper a programmatic dependent launch: it may be launched before the
-//                         GEMM ahead has finished, and waits (griddep_wait) for its output.
+//                         On Hopper a programmatic dependent launch: it is launched once the GEMM
+//                         ahead releases it (at the latest as that GEMM's blocks exit, which
+//                         saves the gap between two launches) and waits (griddep_wait) for its output.
 #include "common.cuh"
 
 // Threads per block that still leave each thread the registers for CHUNKS slices of N streams

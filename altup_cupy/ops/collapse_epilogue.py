@@ -30,7 +30,8 @@ def epilogue_launch_shape(streams: int, hidden: int) -> tuple[int, int]:
 def epilogue_v1(streams: int, hidden: int) -> PackedLaunch:
     """The epilogue's launch for N = `streams` and H = `hidden` on the current device: one block
     per row (the grid's x extent allows 2^31 - 1 rows), arguments as EPILOGUE_ARGS; on Hopper a
-    programmatic dependent launch (the kernel waits for the GEMM's projections: _launch)."""
+    programmatic dependent launch (launched once the GEMM ahead releases it, at the latest as its
+    blocks exit; the kernel waits for the projections: _launch)."""
     chunks, threads = epilogue_launch_shape(streams, hidden)
     kernel = _sources.COLLAPSE_V1.kernel(f"collapse_epilogue_v1<{streams}, {chunks}>")
     return PackedLaunch(kernel, threads, 0, EPILOGUE_ARGS, programmatic=True)
