@@ -36,6 +36,7 @@ and have a shape the kernels serve; `patch(model, serve_cpu=...)` sets it for th
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import importlib
 import warnings
@@ -321,15 +322,45 @@ def patch(model: torch.nn.Module | None = None, *, serve_cpu: bool = False,
         raise TypeError(f"model must be a torch.nn.Module (a Gemma 3n model), got {type(model).__name__}")
     found = False
     for module in model.modules():
-        for (cls, name), function in replacements.items():
-            if isinstance(module, cls):
-                setattr(module, name, MethodType(function, module))
-                module.__dict__[_SERVE_CPU] = serve_cpu
-                module.__dict__[_COMPILED_MIN_TOKENS] = compiled_min_tokens
-                found = True
+        found |= _patch_instance(module, replacements, serve_cpu, compiled_min_tokens)
     if not found:
         raise ValueError(f"model has no Gemma3nTextAltUp, Gemma3nTextDecoderLayer or Gemma3nTextModel module: "
                          f"{type(model).__name__}")
+
+
+def _patch_instance(module: torch.nn.Module, replacements, serve_cpu: bool, compiled_min_tokens: int) -> bool:
+    """Bind the replacements that apply to `module` on it; whether any did. Its class then pickles
+    through `_reduce_module`."""
+    found = False
+    for (cls, name), function in replacements.items():
+        if isinstance(module, cls):
+            setattr(module, name, MethodType(function, module))
+            module.__dict__[_SERVE_CPU] = serve_cpu
+            module.__dict__[_COMPILED_MIN_TOKENS] = compiled_min_tokens
+            found = True
+    if found:
+        copyreg.pickle(type(module), _reduce_module)
+    return found
+
+
+def _reduce_module(module: torch.nn.Module):
+    """How pickle (torch.save) and copy take a module of a class that patch(model) has bound
+    forwards on: an unpatched one as usual; a patched one without its bound forwards, which
+    `_restore_patched` binds again. (A bound method pickles as a lookup of its function's name on
+    the module, which fails when the model is loaded.)"""
+    if _SERVE_CPU not in module.__dict__:
+        return module.__reduce_ex__(4)
+    state = {key: value for key, value in module.__dict__.items()
+             if not (isinstance(value, MethodType) and value.__self__ is module)}
+    return _restore_patched, (type(module), state)
+
+
+def _restore_patched(cls: type, state: dict) -> torch.nn.Module:
+    """A module pickled by `_reduce_module`, patched again with this process's replacements."""
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    _patch_instance(module, _replacements(_modeling()), state[_SERVE_CPU], state[_COMPILED_MIN_TOKENS])
+    return module
 
 
 def unpatch(model: torch.nn.Module | None = None) -> None:

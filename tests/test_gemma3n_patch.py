@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import warnings
 
 import pytest
@@ -132,6 +133,49 @@ def test_instance_patch_and_unpatch(seeds, op_calls):
     assert all("predict" not in layer.altup.__dict__ for layer in model.layers)
     assert "forward" not in model.__dict__
 
+
+
+def _bound_forwards(model) -> dict[tuple[str, str], bool]:
+    """(module name, attribute) of every forward patch(model) bound, and whether it is bound to
+    that very module."""
+    return {(name, attribute): module.__dict__[attribute].__self__ is module
+            for name, module in model.named_modules() for attribute in ("predict", "correct", "forward")
+            if attribute in module.__dict__}
+
+
+def _saved_and_loaded(model, how: str):
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_an_instance_patched_model_saves_and_loads_patched(seeds, op_calls, how):
+    """torch.save(model) after patch(model) and torch.load (a bound forward would pickle as a
+    lookup that fails on loading), or a deep copy: the copy's forwards are bound again, to its own
+    modules, with the patch's settings, and give the original's outputs through the operators. A
+    model unpatched before saving loads unpatched."""
+    model = _model(seeds()).eval()
+    gemma3n.patch(model, serve_cpu=True, compiled_min_tokens=7)
+    ids = torch.randint(3, 64, (1, 4))
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+    bound = _bound_forwards(model)
+    assert len(bound) == 2 * len(model.layers) + 1 + len(model.layers)  # predict, correct; forward of model and layers
+    copied = _saved_and_loaded(model, how)
+    assert _bound_forwards(copied) == bound and all(bound.values())
+    assert all(module.__dict__[gemma3n._SERVE_CPU] is True and module.__dict__[gemma3n._COMPILED_MIN_TOKENS] == 7
+               for name, module in copied.named_modules() if (name, "forward") in bound or (name, "predict") in bound)
+    before = dict(op_calls)
+    with torch.no_grad():
+        got = copied(input_ids=ids).last_hidden_state
+    assert op_calls["predict"] - before["predict"] == len(model.layers)
+    assert torch.equal(got, expected)
+    gemma3n.unpatch(model)
+    assert _bound_forwards(_saved_and_loaded(model, how)) == {}
 
 def _assert_falls_back(model, op_calls, warning: str, serve_cpu: bool = True) -> None:
     """A patched copy of `model` warns (matching `warning`), calls none of altup_cupy's operators and
