@@ -345,22 +345,36 @@ def _patch_instance(module: torch.nn.Module, replacements, serve_cpu: bool, comp
 
 def _reduce_module(module: torch.nn.Module):
     """How pickle (torch.save) and copy take a module of a class that patch(model) has bound
-    forwards on: an unpatched one as usual; a patched one without its bound forwards, which
-    `_restore_patched` binds again. (A bound method pickles as a lookup of its function's name on
-    the module, which fails when the model is loaded.)"""
-    if _SERVE_CPU not in module.__dict__:
-        return module.__reduce_ex__(4)
-    state = {key: value for key, value in module.__dict__.items()
-             if not (isinstance(value, MethodType) and value.__self__ is module)}
-    return _restore_patched, (type(module), state)
+    forwards on: as usual, except that each bound forward in its state is a `_BoundForward`. (A
+    bound method pickles as a lookup of its function's name on the module, which finds
+    transformers' method, or nothing, when the model is loaded.)"""
+    reconstruct, args, state, *rest = module.__reduce_ex__(4)
+    if _SERVE_CPU in module.__dict__:
+        state = {key: _BoundForward(module, key) if isinstance(value, MethodType) and value.__self__ is module
+                 else value for key, value in state.items()}
+    return (reconstruct, args, state, *rest)
 
 
-def _restore_patched(cls: type, state: dict) -> torch.nn.Module:
-    """A module pickled by `_reduce_module`, patched again with this process's replacements."""
-    module = cls.__new__(cls)
-    module.__setstate__(state)
-    _patch_instance(module, _replacements(_modeling()), state[_SERVE_CPU], state[_COMPILED_MIN_TOKENS])
-    return module
+class _BoundForward:
+    """A forward that patch(model) bound on `module`, as its pickled state holds it: it pickles as
+    `_bind_forward(module, name)`, so loading binds this process's replacement to the loaded
+    module (which exists, its state not yet set, by then: pickle and copy build it first)."""
+
+    def __init__(self, module: torch.nn.Module, name: str):
+        self.module, self.name = module, name
+
+    def __reduce__(self):
+        return _bind_forward, (self.module, self.name)
+
+
+def _bind_forward(module: torch.nn.Module, name: str) -> MethodType:
+    """The replacement of `name` bound to `module`; transformers' own method where this process's
+    transformers has no replacement for it (the patch's gate on the installed forwards)."""
+    copyreg.pickle(type(module), _reduce_module)  # saved again, it pickles the same way
+    for (cls, attribute), function in _replacements(_modeling()).items():
+        if attribute == name and isinstance(module, cls):
+            return MethodType(function, module)
+    return MethodType(getattr(type(module), name), module)
 
 
 def unpatch(model: torch.nn.Module | None = None) -> None:
