@@ -143,6 +143,17 @@ def _bound_forwards(model) -> dict[tuple[str, str], bool]:
             if attribute in module.__dict__}
 
 
+class _HoldsItsModule:
+    """A forward hook that keeps a reference to its module: the module's pickled state refers back
+    to the module."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, module, args, output):
+        assert module is self.module
+
+
 def _saved_and_loaded(model, how: str):
     if how == "deepcopy":
         return copy.deepcopy(model)
@@ -157,16 +168,19 @@ def test_an_instance_patched_model_saves_and_loads_patched(seeds, op_calls, how)
     """torch.save(model) after patch(model) and torch.load (a bound forward would pickle as a
     lookup that fails on loading), or a deep copy: the copy's forwards are bound again, to its own
     modules, with the patch's settings, and give the original's outputs through the operators. A
-    model unpatched before saving loads unpatched."""
+    model unpatched before saving loads unpatched. A layer holds a hook that refers back to it, and
+    the copy is saved and loaded once more."""
     model = _model(seeds()).eval()
     gemma3n.patch(model, serve_cpu=True, compiled_min_tokens=7)
+    model.layers[0].register_forward_hook(_HoldsItsModule(model.layers[0]))
     ids = torch.randint(3, 64, (1, 4))
     with torch.no_grad():
         expected = model(input_ids=ids).last_hidden_state
     bound = _bound_forwards(model)
     assert len(bound) == 2 * len(model.layers) + 1 + len(model.layers)  # predict, correct; forward of model and layers
-    copied = _saved_and_loaded(model, how)
+    copied = _saved_and_loaded(_saved_and_loaded(model, how), how)
     assert _bound_forwards(copied) == bound and all(bound.values())
+    assert next(iter(copied.layers[0]._forward_hooks.values())).module is copied.layers[0]
     assert all(module.__dict__[gemma3n._SERVE_CPU] is True and module.__dict__[gemma3n._COMPILED_MIN_TOKENS] == 7
                for name, module in copied.named_modules() if (name, "forward") in bound or (name, "predict") in bound)
     before = dict(op_calls)
