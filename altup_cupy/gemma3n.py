@@ -345,36 +345,38 @@ def _patch_instance(module: torch.nn.Module, replacements, serve_cpu: bool, comp
 
 def _reduce_module(module: torch.nn.Module):
     """How pickle (torch.save) and copy take a module of a class that patch(model) has bound
-    forwards on: as usual, except that each bound forward in its state is a `_BoundForward`. (A
-    bound method pickles as a lookup of its function's name on the module, which finds
-    transformers' method, or nothing, when the model is loaded.)"""
+    forwards on: as usual, except that a patched module's state is a `_PatchedState`. (A bound
+    method pickles as a lookup of its function's name on the module, which finds transformers'
+    method, or nothing, when the model is loaded.)"""
     reconstruct, args, state, *rest = module.__reduce_ex__(4)
     if _SERVE_CPU in module.__dict__:
-        state = {key: _BoundForward(module, key) if isinstance(value, MethodType) and value.__self__ is module
-                 else value for key, value in state.items()}
+        state = _PatchedState(state)
+        state.module = module
     return (reconstruct, args, state, *rest)
 
 
-class _BoundForward:
-    """A forward that patch(model) bound on `module`, as its pickled state holds it: it pickles as
-    `_bind_forward(module, name)`, so loading binds this process's replacement to the loaded
-    module (which exists, its state not yet set, by then: pickle and copy build it first)."""
-
-    def __init__(self, module: torch.nn.Module, name: str):
-        self.module, self.name = module, name
+class _PatchedState(dict):
+    """A patched module's state (its `__dict__`) as pickle and copy take it. Pickled, or deep-copied,
+    it leaves out the forwards bound on `module` and binds this process's replacements again, to
+    the module being built (which exists, its state not yet set, by then: pickle and copy build it
+    first). A shallow copy keeps the state as it is, as for any module."""
 
     def __reduce__(self):
-        return _bind_forward, (self.module, self.name)
+        bound = [key for key, value in self.items() if isinstance(value, MethodType) and value.__self__ is self.module]
+        return _bind_forwards, (self.module, {key: value for key, value in self.items() if key not in bound}, bound)
 
 
-def _bind_forward(module: torch.nn.Module, name: str) -> MethodType:
-    """The replacement of `name` bound to `module`; transformers' own method where this process's
-    transformers has no replacement for it (the patch's gate on the installed forwards)."""
+def _bind_forwards(module: torch.nn.Module, state: dict, names: list[str]) -> dict:
+    """`state` with each of `names` the replacement bound to `module`, or transformers' own method
+    where this process's transformers has no replacement for it (the patch's gate on the installed
+    forwards)."""
     copyreg.pickle(type(module), _reduce_module)  # saved again, it pickles the same way
-    for (cls, attribute), function in _replacements(_modeling()).items():
-        if attribute == name and isinstance(module, cls):
-            return MethodType(function, module)
-    return MethodType(getattr(type(module), name), module)
+    replacements = _replacements(_modeling())
+    for name in names:
+        function = next((f for (cls, attribute), f in replacements.items()
+                         if attribute == name and isinstance(module, cls)), getattr(type(module), name))
+        state[name] = MethodType(function, module)
+    return state
 
 
 def unpatch(model: torch.nn.Module | None = None) -> None:

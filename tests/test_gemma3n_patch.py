@@ -188,6 +188,8 @@ def test_an_instance_patched_model_saves_and_loads_patched(seeds, op_calls, how)
         got = copied(input_ids=ids).last_hidden_state
     assert op_calls["predict"] - before["predict"] == len(model.layers)
     assert torch.equal(got, expected)
+    shallow = copy.copy(model.layers[0].altup)  # its state as it is, as for any module
+    assert type(shallow.__dict__) is dict and shallow.__dict__["predict"] == model.layers[0].altup.predict
     gemma3n.unpatch(model)
     assert _bound_forwards(_saved_and_loaded(model, how)) == {}
 
