@@ -175,6 +175,16 @@ def _correct_arguments(self, predictions: torch.Tensor, activated: torch.Tensor)
             _router_scale(self))
 
 
+def _replacing(name: str):
+    """Marks a function as the patch's replacement of the method `name`: pickling a patched module
+    (`_PatchedState`) binds such a method again on loading."""
+    def mark(function):
+        function.altup_cupy_replaces = name
+        return function
+    return mark
+
+
+@_replacing("predict")
 def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if _left_to_inductor(self, _rows(hidden_states)) or _unserved(
             self, "AltUp predict", (hidden_states, *_predict_weights(self)), self.config.altup_num_inputs,
@@ -183,6 +193,7 @@ def _predict(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return altup.predict(*_predict_arguments(self, hidden_states))
 
 
+@_replacing("correct")
 def _correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
     weights = (self.correction_coefs.weight, self.modality_router.weight, self.router_norm.weight)
     if _left_to_inductor(self, _rows(predictions)) or _unserved(
@@ -228,6 +239,7 @@ def _layer_forward(modeling):
             return inner(self, hidden_states, *args, **kwargs)
         return patched(self, hidden_states, *args, **kwargs)
 
+    @_replacing("forward")
     def forward(self, hidden_states, *args, **kwargs):
         # As transformers' wrapper: only the forward that module calls checkpoints (a subclass's
         # wrapper around this one, as FSDP2's, checkpoints instead), only while training with
@@ -266,6 +278,7 @@ def _model_forward(modeling):
                       "collapse stay transformers' own", stacklevel=3)
         return None
 
+    @_replacing("forward")
     def forward(self, *args, **kwargs):
         # the first matrix of each (a model of one stream has none: cuda_serves refuses it first)
         probe = [p.weight for p in (*self.altup_projections[:1], *self.altup_unembed_projections[:1])]
@@ -348,21 +361,26 @@ def _reduce_module(module: torch.nn.Module):
     forwards on: as usual, except that a patched module's state is a `_PatchedState`. (A bound
     method pickles as a lookup of its function's name on the module, which finds transformers'
     method, or nothing, when the model is loaded.)"""
-    reconstruct, args, state, *rest = module.__reduce_ex__(4)
-    if _SERVE_CPU in module.__dict__:
-        state = _PatchedState(state)
-        state.module = module
-    return (reconstruct, args, state, *rest)
+    reduced = module.__reduce_ex__(4)
+    if _SERVE_CPU not in module.__dict__ or len(reduced) < 3 or not isinstance(reduced[2], dict):
+        return reduced
+    state = _PatchedState(reduced[2])
+    state.module = module
+    return (*reduced[:2], state, *reduced[3:])
 
 
 class _PatchedState(dict):
-    """A patched module's state (its `__dict__`) as pickle and copy take it. Pickled, or deep-copied,
-    it leaves out the forwards bound on `module` and binds this process's replacements again, to
-    the module being built (which exists, its state not yet set, by then: pickle and copy build it
-    first). A shallow copy keeps the state as it is, as for any module."""
+    """A patched module's state (its `__dict__`) as pickle and copy take it. Pickled, or
+    deep-copied, it leaves out the replacements bound on `module` under the names they replace
+    (`_replacing`; any other method, e.g. a wrapper's saved forward, pickles as usual) and binds
+    this process's replacements again, to the module being built (which exists, its state not
+    yet set, by then: pickle and copy build it first). A shallow copy keeps the state as it is,
+    as for any module."""
 
     def __reduce__(self):
-        bound = [key for key, value in self.items() if isinstance(value, MethodType) and value.__self__ is self.module]
+        bound = [key for key, value in self.items()
+                 if isinstance(value, MethodType) and value.__self__ is self.module
+                 and getattr(value.__func__, "altup_cupy_replaces", None) == key]
         return _bind_forwards, (self.module, {key: value for key, value in self.items() if key not in bound}, bound)
 
 

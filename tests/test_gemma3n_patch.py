@@ -173,13 +173,19 @@ def test_an_instance_patched_model_saves_and_loads_patched(seeds, op_calls, how)
     model = _model(seeds()).eval()
     gemma3n.patch(model, serve_cpu=True, compiled_min_tokens=7)
     model.layers[0].register_forward_hook(_HoldsItsModule(model.layers[0]))
+    model.layers[1]._saved_forward = model.layers[1].forward  # as a wrapper keeps the forward it wraps
     ids = torch.randint(3, 64, (1, 4))
     with torch.no_grad():
         expected = model(input_ids=ids).last_hidden_state
     bound = _bound_forwards(model)
+    functions = {key: module.__dict__[key[1]].__func__.__code__ for key in bound
+                 for name, module in model.named_modules() if name == key[0]}
     assert len(bound) == 2 * len(model.layers) + 1 + len(model.layers)  # predict, correct; forward of model and layers
     copied = _saved_and_loaded(_saved_and_loaded(model, how), how)
     assert _bound_forwards(copied) == bound and all(bound.values())
+    assert {key: module.__dict__[key[1]].__func__.__code__ for key in bound
+            for name, module in copied.named_modules() if name == key[0]} == functions  # the package's forwards
+    assert callable(copied.layers[1]._saved_forward)
     assert next(iter(copied.layers[0]._forward_hooks.values())).module is copied.layers[0]
     assert all(module.__dict__[gemma3n._SERVE_CPU] is True and module.__dict__[gemma3n._COMPILED_MIN_TOKENS] == 7
                for name, module in copied.named_modules() if (name, "forward") in bound or (name, "predict") in bound)
@@ -187,6 +193,7 @@ def test_an_instance_patched_model_saves_and_loads_patched(seeds, op_calls, how)
     with torch.no_grad():
         got = copied(input_ids=ids).last_hidden_state
     assert op_calls["predict"] - before["predict"] == len(model.layers)
+    assert op_calls["expand"] - before["expand"] == 1 and op_calls["collapse"] - before["collapse"] == 1
     assert torch.equal(got, expected)
     shallow = copy.copy(model.layers[0].altup)  # its state as it is, as for any module
     assert type(shallow.__dict__) is dict and shallow.__dict__["predict"] == model.layers[0].altup.predict
